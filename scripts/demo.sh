@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The built-in demo: sets up, builds, and runs rig on the bundled tiny model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/build.sh
+./build/rig inspect tests/data/hf/tiny-llama3/model

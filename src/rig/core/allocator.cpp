@@ -1,0 +1,94 @@
+#include "rig/core/allocator.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <new>
+
+namespace rig {
+
+void* Allocator::allocate(size_t bytes, std::string_view what) {
+  if (bytes == 0) bytes = 1;
+  size_t b = budget_.load();
+  size_t now = in_use_.fetch_add(bytes) + bytes;
+  if (b && now > b) {
+    in_use_.fetch_sub(bytes);
+    throw OutOfMemory(fmt::format(
+        "out of memory on {}: allocating {} for {} with {} in use would exceed the budget of {}",
+        device_, format_bytes(double(bytes)), what, format_bytes(double(now - bytes)),
+        format_bytes(double(b))));
+  }
+  void* p = raw_allocate(bytes);
+  if (!p) {
+    in_use_.fetch_sub(bytes);
+    throw OutOfMemory(fmt::format("out of memory on {}: allocating {} for {} with {} in use",
+                                  device_, format_bytes(double(bytes)), what,
+                                  format_bytes(double(now - bytes))));
+  }
+  size_t pk = peak_.load();
+  while (now > pk && !peak_.compare_exchange_weak(pk, now)) {
+  }
+  return p;
+}
+
+void Allocator::deallocate(void* p, size_t bytes) {
+  if (!p) return;
+  if (bytes == 0) bytes = 1;
+  raw_deallocate(p, bytes);
+  in_use_.fetch_sub(bytes);
+}
+
+namespace {
+class CpuAllocator final : public Allocator {
+ public:
+  CpuAllocator() : Allocator("cpu") {}
+
+ protected:
+  void* raw_allocate(size_t bytes) override {
+    // 64-byte alignment suits AVX-512 loads and BLAS.
+    return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  }
+  void raw_deallocate(void* p, size_t) override { std::free(p); }
+};
+}  // namespace
+
+Allocator& cpu_allocator() {
+  static CpuAllocator a;
+  return a;
+}
+
+size_t parse_bytes(std::string_view text, std::string_view what) {
+  std::string s(text);
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  std::string num = s.substr(0, i), unit = s.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  char* end = nullptr;
+  double v = num.empty() ? -1 : std::strtod(num.c_str(), &end);
+  if (num.empty() || end != num.c_str() + num.size() || v < 0)
+    bad_input("{}: '{}' is not a size (expected e.g. 22GiB, 512MiB, 1.5GB)", what, text);
+  struct U {
+    const char* name;
+    double mult;
+  };
+  static const U units[] = {{"", 1},      {"B", 1},       {"K", 1e3},    {"KB", 1e3},
+                            {"KiB", 1024.}, {"M", 1e6},   {"MB", 1e6},   {"MiB", 1048576.},
+                            {"G", 1e9},   {"GB", 1e9},    {"GiB", 1073741824.}, {"T", 1e12},
+                            {"TB", 1e12}, {"TiB", 1099511627776.}};
+  for (const auto& u : units)
+    if (unit == u.name) return size_t(std::llround(v * u.mult));
+  bad_input("{}: unknown unit '{}' in '{}' (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", what, unit,
+            text);
+}
+
+std::string format_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (std::fabs(b) >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
+}
+
+}  // namespace rig

@@ -1,0 +1,53 @@
+// One allocator per device, with a byte budget and a peak counter. The budget makes a large GPU
+// refuse what a smaller card could not hold (`--max-memory 22GiB`); the peak is what the planner's
+// predictions are checked against.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "rig/core/error.h"
+
+namespace rig {
+
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+class Allocator {
+ public:
+  explicit Allocator(std::string device_name) : device_(std::move(device_name)) {}
+  virtual ~Allocator() = default;
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // Throws OutOfMemory naming `what`, the size, and the bytes in use against the budget.
+  void* allocate(size_t bytes, std::string_view what);
+  void deallocate(void* p, size_t bytes);
+
+  size_t in_use() const { return in_use_.load(); }
+  size_t peak() const { return peak_.load(); }
+  size_t budget() const { return budget_.load(); }  // 0: no budget
+  void set_budget(size_t bytes) { budget_.store(bytes); }
+  void reset_peak() { peak_.store(in_use_.load()); }
+  const std::string& device_name() const { return device_; }
+
+ protected:
+  virtual void* raw_allocate(size_t bytes) = 0;  // nullptr when the device is out of memory
+  virtual void raw_deallocate(void* p, size_t bytes) = 0;
+
+ private:
+  std::string device_;
+  std::atomic<size_t> in_use_{0}, peak_{0}, budget_{0};
+};
+
+Allocator& cpu_allocator();
+
+// "22GiB", "512MiB", "1.5GB", "1000" (bytes). Throws InputError naming `what` on a bad value.
+size_t parse_bytes(std::string_view text, std::string_view what = "size");
+std::string format_bytes(double bytes);  // "1.50 GiB"
+
+}  // namespace rig

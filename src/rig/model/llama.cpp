@@ -1,0 +1,649 @@
+#include "rig/model/llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "rig/io/atomic_file.h"
+#include "rig/io/safetensors.h"
+#include "rig/ops/ops.h"
+
+namespace rig {
+
+namespace fs = std::filesystem;
+
+struct LlamaModel::Linear {
+  std::string module;  // Hugging Face module name, e.g. model.layers.0.self_attn.q_proj
+  int w = -1, b = -1, lora_a = -1, lora_b = -1;  // indices into params_
+  float lora_scale = 0, lora_dropout = 0;
+};
+
+struct LlamaModel::Layer {
+  int in_norm = -1, post_norm = -1;
+  Linear proj[7];  // q k v o gate up down
+};
+
+// What one layer's backward needs from its forward.
+struct LlamaModel::Acts {
+  Tensor h_in, xn1, rstd1, q, k, v, attn, lse, h_mid, xn2, rstd2, g, u, act, h_out;
+  Tensor xa[7];  // LoRA: dropout(x) @ A^T per projection
+  void drop_all_but_input() {
+    Tensor keep = h_in;
+    *this = Acts();
+    h_in = keep;
+  }
+};
+
+namespace {
+enum { Q, K, V, O, GATE, UP, DOWN };
+
+Tensor fresh(const Shape& s, const char* what) { return Tensor::empty(s, DType::F32, Device::cpu(), what); }
+
+uint64_t mix_seed(uint64_t seed, int layer, int proj) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 0xBF58476D1CE4E5B9ull + uint64_t(proj + 1);
+  x ^= x >> 31;
+  return x * 0x94D049BB133111EBull;
+}
+}  // namespace
+
+LlamaModel::LlamaModel() = default;
+LlamaModel::~LlamaModel() = default;
+
+std::vector<double> rope_inv_freq(const ModelConfig& cfg) {
+  const int64_t d = cfg.head_dim;
+  std::vector<double> inv(size_t(d / 2));
+  for (int64_t i = 0; i < d / 2; ++i) {
+    // transformers computes base ** (2i/d) in float32; do the same before widening.
+    float e = float(2 * i) / float(d);
+    inv[size_t(i)] = double(1.0f / std::pow(float(cfg.rope.theta), e));
+  }
+  if (cfg.rope.type == "llama3") {
+    const double factor = cfg.rope.factor, lo = cfg.rope.low_freq_factor,
+                 hi = cfg.rope.high_freq_factor;
+    const double old_ctx = double(cfg.rope.original_max_position_embeddings);
+    const double low_wavelen = old_ctx / lo, high_wavelen = old_ctx / hi;
+    for (auto& f : inv) {
+      float ff = float(f);
+      double wavelen = 2 * M_PI / ff;
+      double scaled = wavelen > low_wavelen ? ff / factor : ff;
+      if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+        double smooth = (old_ctx / wavelen - lo) / (hi - lo);
+        scaled = (1 - smooth) * scaled / factor + smooth * scaled;
+      }
+      f = double(float(scaled));
+    }
+  }
+  return inv;
+}
+
+void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay) {
+  params_.push_back(Param{name, std::move(t), Tensor(), true, no_decay});
+}
+
+void LlamaModel::build(const ModelConfig& cfg) {
+  cfg_ = cfg;
+  const int64_t h = cfg.hidden_size, f = cfg.intermediate_size;
+  static const char* names[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                 "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                 "mlp.down_proj"};
+  const int64_t out[7] = {cfg.q_dim(), cfg.kv_dim(), cfg.kv_dim(), h, f, f, h};
+  const int64_t in[7] = {h, h, h, cfg.q_dim(), h, h, f};
+  const bool bias[7] = {cfg.qkv_bias, cfg.qkv_bias, cfg.qkv_bias, cfg.o_bias,
+                        cfg.mlp_bias, cfg.mlp_bias, cfg.mlp_bias};
+  register_param("model.embed_tokens.weight", fresh({cfg.vocab_size, h}, "embed_tokens"), false);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    auto L = std::make_unique<Layer>();
+    std::string pre = fmt::format("model.layers.{}.", l);
+    for (int p = 0; p < 7; ++p) {
+      Linear& lin = L->proj[p];
+      lin.module = pre + names[p];
+      lin.w = int(params_.size());
+      register_param(lin.module + ".weight", fresh({out[p], in[p]}, names[p]), false);
+      if (bias[p]) {
+        lin.b = int(params_.size());
+        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true);
+      }
+    }
+    L->in_norm = int(params_.size());
+    register_param(pre + "input_layernorm.weight", fresh({h}, "norm"), true);
+    L->post_norm = int(params_.size());
+    register_param(pre + "post_attention_layernorm.weight", fresh({h}, "norm"), true);
+    layers_.push_back(std::move(L));
+  }
+  register_param("model.norm.weight", fresh({h}, "norm"), true);
+  if (!cfg.tie_word_embeddings)
+    register_param("lm_head.weight", fresh({cfg.vocab_size, h}, "lm_head"), false);
+  embed_ = params_.front().value;
+  final_norm_ = find_param("model.norm.weight")->value;
+  lm_head_ = cfg.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->value;
+}
+
+Param* LlamaModel::find_param(const std::string& name) {
+  for (auto& p : params_)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir) {
+  ModelConfig cfg = ModelConfig::load(dir);
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->build(cfg);
+  WeightFiles w = WeightFiles::open_dir(dir);
+  for (auto& p : m->params_) {
+    if (!w.has(p.name)) bad_input("{}: weights have no tensor '{}' required by config.json", dir, p.name);
+    const TensorInfo& info = w.info(p.name);
+    if (info.shape != p.value.shape())
+      bad_input("{}: tensor '{}' has shape {} but config.json implies {}", dir, p.name,
+                shape_str(info.shape), shape_str(p.value.shape()));
+    p.value.copy_from(w.get_f32(p.name));
+  }
+  return m;
+}
+
+std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t seed) {
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->build(cfg);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (auto& p : m->params_) {
+    float* x = p.value.f32();
+    const int64_t n = p.value.numel();
+    bool is_norm = p.name.find("norm") != std::string::npos;
+    bool is_bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+    for (int64_t i = 0; i < n; ++i) x[i] = is_norm ? 1.0f : is_bias ? 0.0f : normal(rng);
+  }
+  return m;
+}
+
+void LlamaModel::add_lora(const LoraConfig& lora, uint64_t seed) {
+  RIG_CHECK(!lora_, "LoRA is already attached");
+  lora.validate("lora");
+  lora_ = lora;
+  for (auto& p : params_) p.trainable = false;
+  std::mt19937_64 rng(seed);
+  for (auto& L : layers_)
+    for (int pi = 0; pi < 7; ++pi) {
+      if (!lora.targets_module(kProjections[size_t(pi)])) continue;
+      Linear& lin = L->proj[pi];
+      const Tensor& w = params_[size_t(lin.w)].value;
+      const int64_t out = w.dim(0), in = w.dim(1);
+      std::string pre = "base_model.model." + lin.module;
+      Tensor a = fresh({lora.r, in}, "lora_A"), b = Tensor::zeros({out, lora.r}, DType::F32, Device::cpu(), "lora_B");
+      // PEFT: kaiming_uniform_(a=sqrt(5)) gives bound 1/sqrt(fan_in).
+      std::uniform_real_distribution<float> uni(-1.0f / std::sqrt(float(in)), 1.0f / std::sqrt(float(in)));
+      for (int64_t i = 0; i < a.numel(); ++i) a.f32()[i] = uni(rng);
+      lin.lora_a = int(params_.size());
+      register_param(pre + ".lora_A.default.weight", a, false);
+      lin.lora_b = int(params_.size());
+      register_param(pre + ".lora_B.default.weight", b, false);
+      lin.lora_scale = lora.scaling();
+      lin.lora_dropout = lora.dropout;
+    }
+}
+
+namespace {
+// PEFT saves adapter weights without the adapter name: ".lora_A.weight".
+std::string peft_file_key(const std::string& param) {
+  std::string k = param;
+  auto pos = k.find(".default.weight");
+  if (pos != std::string::npos) k.replace(pos, 15, ".weight");
+  return k;
+}
+}  // namespace
+
+void LlamaModel::load_adapter(const std::string& dir) {
+  LoraConfig lc = load_lora_config(dir);
+  add_lora(lc, 0);
+  std::string path = (fs::path(dir) / "adapter_model.safetensors").string();
+  SafeTensorsFile f = SafeTensorsFile::open(path);
+  for (auto& p : params_) {
+    if (p.name.find(".lora_") == std::string::npos) continue;
+    std::string key = peft_file_key(p.name);
+    if (!f.has(key)) bad_input("{}: adapter has no tensor '{}'", path, key);
+    if (f.info(key).shape != p.value.shape())
+      bad_input("{}: tensor '{}' has shape {}, expected {}", path, key, shape_str(f.info(key).shape),
+                shape_str(p.value.shape()));
+    p.value.copy_from(f.get_f32(key));
+  }
+}
+
+void LlamaModel::save_adapter(const std::string& dir) const {
+  RIG_CHECK(lora_, "save_adapter: no LoRA attached");
+  fs::create_directories(dir);
+  std::vector<std::pair<std::string, Tensor>> ts;
+  for (const auto& p : params_)
+    if (p.name.find(".lora_") != std::string::npos) ts.emplace_back(peft_file_key(p.name), p.value);
+  save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), ts, {{"format", "pt"}});
+  nlohmann::json c = {{"peft_type", "LORA"},
+                      {"task_type", "CAUSAL_LM"},
+                      {"r", lora_->r},
+                      {"lora_alpha", lora_->alpha},
+                      {"lora_dropout", lora_->dropout},
+                      {"use_rslora", lora_->rslora},
+                      {"target_modules", lora_->targets},
+                      {"bias", "none"},
+                      {"fan_in_fan_out", false},
+                      {"inference_mode", true},
+                      {"init_lora_weights", true},
+                      {"modules_to_save", nullptr},
+                      {"base_model_name_or_path", nullptr},
+                      {"use_dora", false}};
+  write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
+}
+
+void LlamaModel::merge_lora() {
+  RIG_CHECK(lora_, "merge_lora: no LoRA attached");
+  for (auto& L : layers_)
+    for (auto& lin : L->proj) {
+      if (lin.lora_a < 0) continue;
+      Tensor& w = params_[size_t(lin.w)].value;
+      ops::gemm(params_[size_t(lin.lora_b)].value, false, params_[size_t(lin.lora_a)].value, false, w,
+                lin.lora_scale, 1.0f);
+      lin.lora_a = lin.lora_b = -1;
+    }
+  std::erase_if(params_, [](const Param& p) { return p.name.find(".lora_") != std::string::npos; });
+  for (auto& p : params_) p.trainable = true;
+  lora_.reset();
+}
+
+int64_t LlamaModel::num_parameters(bool trainable_only) const {
+  int64_t n = 0;
+  for (const auto& p : params_)
+    if (!trainable_only || p.trainable) n += p.value.numel();
+  return n;
+}
+
+void LlamaModel::zero_grad() {
+  for (auto& p : params_) {
+    if (!p.trainable) {
+      p.grad = Tensor();
+      continue;
+    }
+    if (!p.grad.defined()) p.grad = Tensor::empty(p.value.shape(), DType::F32, p.value.device(), "gradient");
+    p.grad.zero_();
+  }
+}
+
+void LlamaModel::ensure_rope(int64_t positions) {
+  if (rope_cos_.defined() && rope_cos_.dim(0) >= positions) return;
+  int64_t n = std::max<int64_t>(positions, 256);
+  std::vector<double> inv = rope_inv_freq(cfg_);
+  const int64_t half = int64_t(inv.size());
+  rope_cos_ = fresh({n, half}, "rope cos");
+  rope_sin_ = fresh({n, half}, "rope sin");
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      // float32 angle, as transformers computes position * inv_freq.
+      float ang = float(p) * float(inv[size_t(i)]);
+      rope_cos_.f32()[p * half + i] = std::cos(ang);
+      rope_sin_.f32()[p * half + i] = std::sin(ang);
+    }
+}
+
+namespace {
+
+struct LinearRefs {
+  const Tensor &w, &b, &a, &bl;
+  Tensor *dw, *db, *da, *dbl;
+};
+
+void linear_forward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
+                    Tensor& y, Tensor* xa) {
+  ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
+  if (L.b.defined()) ops::add_bias(y, L.b);
+  if (!L.a.defined()) return;
+  Tensor xd = x;
+  if (p > 0) {
+    xd = fresh(x.shape(), "lora dropout");
+    ops::dropout(x, p, seed, xd);
+  }
+  *xa = fresh({x.dim(0), L.a.dim(0)}, "lora xa");
+  ops::gemm(xd, false, L.a, true, *xa, 1.0f, 0.0f);
+  ops::gemm(*xa, false, L.bl, true, y, scale, 1.0f);
+}
+
+// dx = dy @ W (+ dx when accumulate); parameter gradients accumulate where defined.
+void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
+                     const Tensor& dy, const Tensor& xa, Tensor& dx, bool accumulate) {
+  if (L.dw) ops::gemm(dy, true, x, false, *L.dw, 1.0f, 1.0f);
+  if (L.db) ops::bias_backward(dy, *L.db);
+  ops::gemm(dy, false, L.w, false, dx, 1.0f, accumulate ? 1.0f : 0.0f);
+  if (!L.a.defined()) return;
+  if (L.dbl) ops::gemm(dy, true, xa, false, *L.dbl, scale, 1.0f);
+  Tensor dxa = fresh(xa.shape(), "lora dxa");
+  ops::gemm(dy, false, L.bl, false, dxa, scale, 0.0f);
+  Tensor xd = x;
+  if (p > 0) {
+    xd = fresh(x.shape(), "lora dropout");
+    ops::dropout(x, p, seed, xd);
+  }
+  if (L.da) ops::gemm(dxa, true, xd, false, *L.da, 1.0f, 1.0f);
+  if (p > 0) {
+    Tensor dxd = fresh(x.shape(), "lora dx");
+    ops::gemm(dxa, false, L.a, false, dxd, 1.0f, 0.0f);
+    ops::dropout(dxd, p, seed, xd);  // the same mask and 1/(1-p)
+    ops::add_(dx, xd);
+  } else {
+    ops::gemm(dxa, false, L.a, false, dx, 1.0f, 1.0f);
+  }
+}
+
+}  // namespace
+
+#define RIG_LIN(lin)                                                                         \
+  LinearRefs {                                                                               \
+    params_[size_t((lin).w)].value, (lin).b >= 0 ? params_[size_t((lin).b)].value : kNone,   \
+        (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].value : kNone,                     \
+        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].value : kNone,                     \
+        grad_of((lin).w), grad_of((lin).b), grad_of((lin).lora_a), grad_of((lin).lora_b)     \
+  }
+
+namespace {
+const Tensor kNone;
+}
+
+void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b,
+                               uint64_t seed) {
+  auto grad_of = [&](int idx) -> Tensor* {
+    return idx >= 0 && params_[size_t(idx)].grad.defined() ? &params_[size_t(idx)].grad : nullptr;
+  };
+  Layer& L = *layers_[size_t(li)];
+  const int64_t N = h_in.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
+  const int64_t B = b.input_ids.dim(0), T = b.input_ids.dim(1), D = cfg_.head_dim;
+  const float eps = float(cfg_.rms_norm_eps);
+  auto lin = [&](int p, const Tensor& x, Tensor& y) {
+    Linear& l = L.proj[p];
+    linear_forward(RIG_LIN(l), l.lora_scale, seed ? l.lora_dropout : 0.0f, mix_seed(seed, li, p), x,
+                   y, &a.xa[p]);
+  };
+  a.h_in = h_in;
+  a.xn1 = fresh({N, H}, "xn1");
+  a.rstd1 = fresh({N}, "rstd");
+  ops::rmsnorm_forward(h_in, params_[size_t(L.in_norm)].value, eps, a.xn1, a.rstd1);
+  a.q = fresh({N, cfg_.q_dim()}, "q");
+  a.k = fresh({N, cfg_.kv_dim()}, "k");
+  a.v = fresh({N, cfg_.kv_dim()}, "v");
+  lin(Q, a.xn1, a.q);
+  lin(K, a.xn1, a.k);
+  lin(V, a.xn1, a.v);
+  ops::rope_forward(a.q, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_heads));
+  ops::rope_forward(a.k, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_kv_heads));
+  a.attn = fresh({N, cfg_.q_dim()}, "attention out");
+  a.lse = fresh({B, cfg_.num_heads, T}, "attention lse");
+  Tensor o4 = a.attn.reshape({B, T, cfg_.num_heads, D});
+  ops::attention_forward(a.q.reshape({B, T, cfg_.num_heads, D}),
+                         a.k.reshape({B, T, cfg_.num_kv_heads, D}),
+                         a.v.reshape({B, T, cfg_.num_kv_heads, D}), b.segment_ids, o4, a.lse);
+  a.h_mid = h_in.clone("residual");
+  Tensor o = fresh({N, H}, "o");
+  lin(O, a.attn, o);
+  ops::add_(a.h_mid, o);
+  o = Tensor();
+  a.xn2 = fresh({N, H}, "xn2");
+  a.rstd2 = fresh({N}, "rstd");
+  ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
+  a.g = fresh({N, F}, "gate");
+  a.u = fresh({N, F}, "up");
+  lin(GATE, a.xn2, a.g);
+  lin(UP, a.xn2, a.u);
+  a.act = fresh({N, F}, "swiglu");
+  ops::swiglu_forward(a.g, a.u, a.act);
+  a.h_out = a.h_mid.clone("residual");
+  Tensor d = fresh({N, H}, "down");
+  lin(DOWN, a.act, d);
+  ops::add_(a.h_out, d);
+}
+
+void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed) {
+  auto grad_of = [&](int idx) -> Tensor* {
+    return idx >= 0 && params_[size_t(idx)].grad.defined() ? &params_[size_t(idx)].grad : nullptr;
+  };
+  Layer& L = *layers_[size_t(li)];
+  const int64_t N = dh.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
+  const int64_t B = b.input_ids.dim(0), T = b.input_ids.dim(1), D = cfg_.head_dim;
+  auto lin_bwd = [&](int p, const Tensor& x, const Tensor& dy, Tensor& dx, bool acc) {
+    Linear& l = L.proj[p];
+    linear_backward(RIG_LIN(l), l.lora_scale, seed ? l.lora_dropout : 0.0f, mix_seed(seed, li, p),
+                    x, dy, a.xa[p], dx, acc);
+  };
+  auto norm_grad = [&](int idx) -> Tensor& {
+    static thread_local Tensor dummy;
+    if (params_[size_t(idx)].grad.defined()) return params_[size_t(idx)].grad;
+    dummy = Tensor::zeros(params_[size_t(idx)].value.shape(), DType::F32, dh.device(), "frozen norm grad");
+    return dummy;
+  };
+  // MLP
+  Tensor dact = fresh({N, F}, "d swiglu");
+  lin_bwd(DOWN, a.act, dh, dact, false);
+  Tensor dg = fresh({N, F}, "d gate"), du = fresh({N, F}, "d up");
+  ops::swiglu_backward(dact, a.g, a.u, dg, du);
+  dact = Tensor();
+  Tensor dxn = fresh({N, H}, "d xn2");
+  lin_bwd(GATE, a.xn2, dg, dxn, false);
+  lin_bwd(UP, a.xn2, du, dxn, true);
+  dg = du = Tensor();
+  Tensor dtmp = fresh({N, H}, "d norm");
+  ops::rmsnorm_backward(dxn, a.h_mid, params_[size_t(L.post_norm)].value, a.rstd2, dtmp,
+                        norm_grad(L.post_norm));
+  ops::add_(dh, dtmp);
+  // Attention
+  Tensor dattn = fresh({N, cfg_.q_dim()}, "d attention");
+  lin_bwd(O, a.attn, dh, dattn, false);
+  Tensor dq = fresh({N, cfg_.q_dim()}, "dq"), dk = fresh({N, cfg_.kv_dim()}, "dk"),
+         dv = fresh({N, cfg_.kv_dim()}, "dv");
+  const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads;
+  Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}), dv4 = dv.reshape({B, T, Hk, D});
+  ops::attention_backward(dattn.reshape({B, T, Hq, D}), a.q.reshape({B, T, Hq, D}),
+                          a.k.reshape({B, T, Hk, D}), a.v.reshape({B, T, Hk, D}), b.segment_ids,
+                          a.attn.reshape({B, T, Hq, D}), a.lse, dq4, dk4, dv4);
+  dattn = Tensor();
+  ops::rope_backward(dq, cur_pos_, rope_cos_, rope_sin_, int(Hq));
+  ops::rope_backward(dk, cur_pos_, rope_cos_, rope_sin_, int(Hk));
+  lin_bwd(Q, a.xn1, dq, dxn, false);
+  lin_bwd(K, a.xn1, dk, dxn, true);
+  lin_bwd(V, a.xn1, dv, dxn, true);
+  ops::rmsnorm_backward(dxn, a.h_in, params_[size_t(L.in_norm)].value, a.rstd1, dtmp,
+                        norm_grad(L.in_norm));
+  ops::add_(dh, dtmp);
+}
+
+StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
+  const Tensor& ids = batch.input_ids;
+  RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64, "input_ids must be int64 [B, T], got {} {}",
+            dtype_name(ids.dtype()), shape_str(ids.shape()));
+  RIG_CHECK(batch.labels.shape() == ids.shape() && batch.labels.dtype() == DType::I64,
+            "labels must be int64 {}", shape_str(ids.shape()));
+  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, H = cfg_.hidden_size, Vv = cfg_.vocab_size;
+  if (cfg_.sliding_window && T > *cfg_.sliding_window)
+    bad_input("sequence length {} exceeds the model's sliding window {}, which rig does not support yet",
+              T, *cfg_.sliding_window);
+  // Positions: given, or 0..T-1 per row.
+  cur_pos_ = Tensor::empty({N}, DType::I64, Device::cpu(), "positions");
+  int64_t max_pos = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    int64_t p = batch.position_ids.defined() ? batch.position_ids.data<int64_t>()[r] : r % T;
+    cur_pos_.data<int64_t>()[r] = p;
+    max_pos = std::max(max_pos, p);
+  }
+  ensure_rope(max_pos + 1);
+  const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
+  const bool ckpt = opt.checkpointing == Checkpointing::Full;
+
+  Tensor h = fresh({N, H}, "embeddings");
+  ops::embedding_forward(ids.reshape({N}), embed_, h);
+  std::vector<Acts> acts(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layer_forward(int(l), h, acts[l], batch, seed);
+    h = acts[l].h_out;
+    if (ckpt || !opt.backward) acts[l].drop_all_but_input();
+    if (!opt.backward) acts[l] = Acts{};
+  }
+  Tensor hn = fresh({N, H}, "final norm"), rstd = fresh({N}, "rstd");
+  ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
+
+  // Targets: labels shifted left by one; the last position of each row has none.
+  Tensor targets = Tensor::empty({N}, DType::I64, Device::cpu(), "targets");
+  int64_t valid = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    int64_t t = r % T;
+    int64_t lab = t + 1 < T ? batch.labels.data<int64_t>()[r + 1] : -100;
+    targets.data<int64_t>()[r] = lab;
+    valid += lab != -100;
+  }
+  const float scale = opt.grad_scale > 0 ? opt.grad_scale : (valid ? 1.0f / float(valid) : 0.0f);
+  if (opt.logits) *opt.logits = Tensor::empty({B, T, Vv}, DType::F32, Device::cpu(), "logits");
+
+  StepResult res;
+  Param* head = cfg_.tie_word_embeddings ? &params_.front() : find_param("lm_head.weight");
+  Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, Device::cpu(), "d final norm") : Tensor();
+  const int64_t chunk = std::max<int64_t>(1, opt.loss_chunk_rows);
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t r1 = std::min(N, r0 + chunk);
+    Tensor x = hn.slice_rows(r0, r1);
+    Tensor logits = fresh({r1 - r0, Vv}, "logits chunk");
+    ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
+    if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
+    Tensor tg = targets.slice_rows(r0, r1);
+    res.loss_sum += ops::cross_entropy(logits, tg, scale, opt.backward ? &logits : nullptr, &res.tokens);
+    if (!opt.backward) continue;
+    Tensor dx = dhn.slice_rows(r0, r1);
+    ops::gemm(logits, false, lm_head_, false, dx, 1.0f, 0.0f);
+    if (head->grad.defined()) ops::gemm(logits, true, x, false, head->grad, 1.0f, 1.0f);
+  }
+  if (!opt.backward) return res;
+
+  Tensor dh = fresh({N, H}, "d hidden");
+  Param* fn = find_param("model.norm.weight");
+  Tensor dfn = fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, Device::cpu(), "frozen");
+  ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
+  dhn = hn = Tensor();
+  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+    if (ckpt) layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], batch, seed);
+    layer_backward(l, acts[size_t(l)], dh, batch, seed);
+    acts[size_t(l)] = Acts{};
+  }
+  if (params_.front().grad.defined()) ops::embedding_backward(ids.reshape({N}), dh, params_.front().grad);
+  return res;
+}
+
+LlamaModel::KVCache LlamaModel::new_cache(int64_t max_len) const {
+  KVCache c;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    c.k.push_back(Tensor::zeros({max_len, cfg_.kv_dim()}, DType::F32, Device::cpu(), "kv cache"));
+    c.v.push_back(Tensor::zeros({max_len, cfg_.kv_dim()}, DType::F32, Device::cpu(), "kv cache"));
+  }
+  return c;
+}
+
+std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>& tokens) {
+  auto grad_of = [](int) -> Tensor* { return nullptr; };
+  const int64_t H = cfg_.hidden_size, F = cfg_.intermediate_size, D = cfg_.head_dim;
+  const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads, group = Hq / Hk;
+  const float eps = float(cfg_.rms_norm_eps);
+  std::vector<float> logits(size_t(cfg_.vocab_size));
+  for (int64_t tok : tokens) {
+    const int64_t pos = cache.len;
+    RIG_CHECK(pos < cache.k[0].dim(0), "KV cache full at {} tokens", pos);
+    ensure_rope(pos + 1);
+    Tensor posv = Tensor::empty({1}, DType::I64);
+    posv.data<int64_t>()[0] = pos;
+    Tensor idv = Tensor::empty({1}, DType::I64);
+    idv.data<int64_t>()[0] = tok;
+    Tensor h = fresh({1, H}, "decode"), xn = fresh({1, H}, "decode"), rs = fresh({1}, "decode");
+    ops::embedding_forward(idv, embed_, h);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      Layer& L = *layers_[l];
+      Tensor xa;
+      auto lin = [&](int p, const Tensor& x, Tensor& y) {
+        linear_forward(RIG_LIN(L.proj[p]), L.proj[p].lora_scale, 0.0f, 0, x, y, &xa);
+      };
+      ops::rmsnorm_forward(h, params_[size_t(L.in_norm)].value, eps, xn, rs);
+      Tensor q = fresh({1, cfg_.q_dim()}, "q"), k = cache.k[l].slice_rows(pos, pos + 1),
+             v = cache.v[l].slice_rows(pos, pos + 1);
+      lin(Q, xn, q);
+      lin(K, xn, k);
+      lin(V, xn, v);
+      ops::rope_forward(q, posv, rope_cos_, rope_sin_, int(Hq));
+      ops::rope_forward(k, posv, rope_cos_, rope_sin_, int(Hk));
+      Tensor att = Tensor::zeros({1, cfg_.q_dim()}, DType::F32, Device::cpu(), "attention");
+      const float sc = 1.0f / std::sqrt(float(D));
+      std::vector<float> s(size_t(pos + 1));
+      for (int64_t hh = 0; hh < Hq; ++hh) {
+        const float* qh = q.f32() + hh * D;
+        const int64_t kh = hh / group;
+        float mx = -1e30f;
+        for (int64_t j = 0; j <= pos; ++j) {
+          const float* kj = cache.k[l].f32() + j * cfg_.kv_dim() + kh * D;
+          float dot = 0;
+          for (int64_t x = 0; x < D; ++x) dot += qh[x] * kj[x];
+          s[size_t(j)] = dot * sc;
+          mx = std::max(mx, s[size_t(j)]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= pos; ++j) sum += std::exp(double(s[size_t(j)] - mx));
+        float* oh = att.f32() + hh * D;
+        for (int64_t j = 0; j <= pos; ++j) {
+          float p = float(std::exp(double(s[size_t(j)] - mx)) / sum);
+          const float* vj = cache.v[l].f32() + j * cfg_.kv_dim() + kh * D;
+          for (int64_t x = 0; x < D; ++x) oh[x] += p * vj[x];
+        }
+      }
+      Tensor o = fresh({1, H}, "o");
+      lin(O, att, o);
+      ops::add_(h, o);
+      ops::rmsnorm_forward(h, params_[size_t(L.post_norm)].value, eps, xn, rs);
+      Tensor g = fresh({1, F}, "g"), u = fresh({1, F}, "u"), act = fresh({1, F}, "act");
+      lin(GATE, xn, g);
+      lin(UP, xn, u);
+      ops::swiglu_forward(g, u, act);
+      lin(DOWN, act, o);
+      ops::add_(h, o);
+    }
+    ++cache.len;
+    ops::rmsnorm_forward(h, final_norm_, eps, xn, rs);
+    Tensor lg = Tensor::view(logits.data(), {1, cfg_.vocab_size}, DType::F32, Device::cpu(), nullptr);
+    ops::gemm(xn, false, lm_head_, true, lg, 1.0f, 0.0f);
+  }
+  return logits;
+}
+
+void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max_shard_bytes) const {
+  fs::create_directories(dir);
+  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
+  size_t cur = 0;
+  for (const auto& p : params_) {
+    if (p.name.find(".lora_") != std::string::npos) continue;
+    Tensor t = dtype == DType::F32 ? p.value : p.value.to_dtype(dtype);
+    if (cur > 0 && cur + t.nbytes() > max_shard_bytes) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    shards.back().emplace_back(p.name, t);
+    cur += t.nbytes();
+  }
+  nlohmann::json cfg = cfg_.to_json();
+  cfg["torch_dtype"] = dtype == DType::BF16 ? "bfloat16" : dtype == DType::F16 ? "float16" : "float32";
+  cfg["dtype"] = cfg["torch_dtype"];
+  if (shards.size() == 1) {
+    save_safetensors((fs::path(dir) / "model.safetensors").string(), shards[0], {{"format", "pt"}});
+  } else {
+    nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+    size_t total = 0;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      std::string fname = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+      save_safetensors((fs::path(dir) / fname).string(), shards[i], {{"format", "pt"}});
+      for (auto& [n, t] : shards[i]) {
+        index["weight_map"][n] = fname;
+        total += t.nbytes();
+      }
+    }
+    index["metadata"]["total_size"] = total;
+    write_file_atomic((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  }
+  write_file_atomic((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
+}
+
+}  // namespace rig

@@ -1,0 +1,119 @@
+// A LLaMA-family decoder (llama, qwen2, mistral) with explicit forward and backward per layer.
+// Weights and gradients are float32 on the CPU. Parameters carry their Hugging Face names; LoRA
+// parameters carry PEFT's (base_model.model.<module>.lora_A.default.weight).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rig/core/tensor.h"
+#include "rig/model/config.h"
+#include "rig/model/lora.h"
+
+namespace rig {
+
+struct Param {
+  std::string name;
+  Tensor value, grad;  // grad is defined for trainable parameters after zero_grad()
+  bool trainable = true;
+  bool no_decay = false;  // norms and biases, for optimizers that exempt them
+};
+
+// input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.
+// position_ids and segment_ids [B, T] int64 are optional (packing: positions restart per sample
+// and attention stays inside a segment).
+struct TokenBatch {
+  Tensor input_ids, labels, position_ids, segment_ids;
+};
+
+enum class Checkpointing { None, Full };
+
+struct StepOptions {
+  bool backward = true;
+  Tensor* logits = nullptr;  // when set, receives the [B, T, V] logits (float32, CPU)
+  // Gradient of the summed token loss is scaled by this; 0 means 1/valid tokens of this batch
+  // (the mean, as transformers computes it). Gradient accumulation passes 1/total tokens.
+  float grad_scale = 0;
+  Checkpointing checkpointing = Checkpointing::None;
+  uint64_t dropout_seed = 0;
+  int64_t loss_chunk_rows = 1024;  // rows of logits materialised at once
+};
+
+struct StepResult {
+  double loss_sum = 0;
+  int64_t tokens = 0;  // tokens with a label
+  double loss() const { return tokens ? loss_sum / double(tokens) : 0.0; }
+};
+
+class LlamaModel {
+ public:
+  // From a Hugging Face model folder (config.json + safetensors); weights converted to float32.
+  static std::unique_ptr<LlamaModel> load(const std::string& dir);
+  // Random initialisation (normal(0, 0.02) for matrices, ones for norms), seeded.
+  static std::unique_ptr<LlamaModel> random(const ModelConfig& cfg, uint64_t seed);
+
+  const ModelConfig& config() const { return cfg_; }
+
+  // Adds LoRA to the targeted projections (A kaiming-uniform, B zero, as PEFT) and freezes
+  // every base weight.
+  void add_lora(const LoraConfig& lora, uint64_t seed);
+  bool has_lora() const { return lora_.has_value(); }
+  const LoraConfig& lora() const { return *lora_; }
+  // A PEFT adapter folder: adds LoRA with its config and loads its weights.
+  void load_adapter(const std::string& dir);
+  void save_adapter(const std::string& dir) const;
+  // Folds B·A·scale into the base weights and removes LoRA.
+  void merge_lora();
+
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+  Param* find_param(const std::string& name);
+  int64_t num_parameters(bool trainable_only) const;
+  void zero_grad();  // allocates gradients for trainable parameters on first use
+
+  StepResult step(const TokenBatch& batch, const StepOptions& opt);
+
+  // Logits of the last position for generation, with a key/value cache.
+  struct KVCache {
+    std::vector<Tensor> k, v;  // per layer [max_len, kv_dim]
+    int64_t len = 0;
+  };
+  KVCache new_cache(int64_t max_len) const;
+  // Feeds tokens (appending to the cache) and returns the logits of the last one [V].
+  std::vector<float> decode(KVCache& cache, const std::vector<int64_t>& tokens);
+
+  // Writes a Hugging Face model folder (config.json + model.safetensors, or shards past
+  // max_shard_bytes with an index), atomically per file.
+  void save_pretrained(const std::string& dir, DType dtype = DType::F32,
+                       size_t max_shard_bytes = size_t(4) << 30) const;
+
+  struct Linear;
+  struct Layer;
+  struct Acts;
+
+  ~LlamaModel();
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+ private:
+  LlamaModel();
+  void build(const ModelConfig& cfg);
+  void register_param(const std::string& name, Tensor t, bool no_decay);
+  void ensure_rope(int64_t positions);
+  void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
+  void layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed);
+
+  ModelConfig cfg_;
+  std::optional<LoraConfig> lora_;
+  std::vector<Param> params_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  Tensor embed_, final_norm_, lm_head_;
+  Tensor rope_cos_, rope_sin_;
+  Tensor cur_pos_;  // position ids of the batch in flight, flattened
+};
+
+// Closed-form inverse frequencies with the config's rope scaling (float64).
+std::vector<double> rope_inv_freq(const ModelConfig& cfg);
+
+}  // namespace rig

@@ -1,0 +1,128 @@
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "rig/ops/cpu/cpu_ops.h"
+
+namespace rig::ops::cpu {
+
+void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a) {
+  const int64_t n = g.numel();
+  const float *pg = g.f32(), *pu = u.f32();
+  float* pa = a.f32();
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) {
+    float s = pg[i] / (1.0f + std::exp(-pg[i]));
+    pa[i] = s * pu[i];
+  }
+}
+
+void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du) {
+  const int64_t n = g.numel();
+  const float *pda = da.f32(), *pg = g.f32(), *pu = u.f32();
+  float *pdg = dg.f32(), *pdu = du.f32();
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) {
+    float sig = 1.0f / (1.0f + std::exp(-pg[i]));
+    float silu = pg[i] * sig;
+    pdu[i] = pda[i] * silu;
+    pdg[i] = pda[i] * pu[i] * sig * (1.0f + pg[i] * (1.0f - sig));
+  }
+}
+
+double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
+                     Tensor* dlogits, int64_t* valid) {
+  const int64_t rows = logits.dim(0), V = logits.dim(1);
+  const float* pl = logits.f32();
+  float* pd = dlogits ? dlogits->f32() : nullptr;
+  const int64_t* pt = targets.data<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    if (pt[r] != -100 && (pt[r] < 0 || pt[r] >= V))
+      bad_input("label {} at position {} is outside the vocabulary of {}", pt[r], r, V);
+  double total = 0;
+  int64_t count = 0;
+#pragma omp parallel for reduction(+ : total, count)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = pl + r * V;
+    float* dx = pd ? pd + r * V : nullptr;
+    if (pt[r] == -100) {
+      if (dx) std::fill_n(dx, V, 0.0f);
+      continue;
+    }
+    float mx = x[0];
+    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, x[j]);
+    double sum = 0;
+    for (int64_t j = 0; j < V; ++j) sum += std::exp(double(x[j] - mx));
+    const double lse = double(mx) + std::log(sum);
+    total += lse - double(x[pt[r]]);
+    ++count;
+    if (dx) {
+      for (int64_t j = 0; j < V; ++j) dx[j] = float(std::exp(double(x[j]) - lse)) * grad_scale;
+      dx[pt[r]] -= grad_scale;
+    }
+  }
+  if (valid) *valid += count;
+  return total;
+}
+
+void add_(Tensor& a, const Tensor& b, float alpha) {
+  const int64_t n = a.numel();
+  RIG_CHECK(b.numel() == n, "add_: {} vs {}", shape_str(a.shape()), shape_str(b.shape()));
+  float* pa = a.f32();
+  const float* pb = b.f32();
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) pa[i] += alpha * pb[i];
+}
+
+void scale_(Tensor& a, float s) {
+  const int64_t n = a.numel();
+  float* pa = a.f32();
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) pa[i] *= s;
+}
+
+double sum_squares(const Tensor& a) {
+  const int64_t n = a.numel();
+  const float* pa = a.f32();
+  double s = 0;
+#pragma omp parallel for reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += double(pa[i]) * pa[i];
+  return s;
+}
+
+void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
+  const int64_t n = x.numel();
+  const float* px = x.f32();
+  float* po = out.f32();
+  if (p <= 0) {
+    std::copy_n(px, n, po);
+    return;
+  }
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  const float keep = 1.0f / (1.0f - p);
+  for (int64_t i = 0; i < n; ++i) po[i] = uni(rng) < p ? 0.0f : px[i] * keep;
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
+  const int64_t n = param.numel();
+  float *pp = param.f32(), *pm = m.f32(), *pv = v.f32();
+  const float* pg = grad.f32();
+  // The same order of operations as torch's single-tensor AdamW.
+  const double bc1 = 1.0 - std::pow(double(h.beta1), double(h.step));
+  const double bc2 = 1.0 - std::pow(double(h.beta2), double(h.step));
+  const float step_size = float(double(h.lr) / bc1);
+  const float bc2_sqrt = float(std::sqrt(bc2));
+  const float decay = 1.0f - h.lr * h.weight_decay;
+  const float w1 = 1.0f - h.beta1, w2 = 1.0f - h.beta2;
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) {
+    pp[i] *= decay;
+    pm[i] += w1 * (pg[i] - pm[i]);
+    pv[i] = pv[i] * h.beta2 + w2 * pg[i] * pg[i];
+    const float denom = std::sqrt(pv[i]) / bc2_sqrt + h.eps;
+    pp[i] -= step_size * (pm[i] / denom);
+  }
+}
+
+}  // namespace rig::ops::cpu

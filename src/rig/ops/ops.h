@@ -1,0 +1,63 @@
+// The op set of the LLaMA family, forward and backward. One declaration each; every op dispatches
+// on the device of its tensors to ops/cpu (float32, the oracle) or ops/cuda (bf16 activations,
+// fp32 accumulation). Tensors are contiguous; activations are [rows, features] with rows = B*T.
+#pragma once
+#include "rig/core/tensor.h"
+
+namespace rig::ops {
+
+// C = alpha * op(A) @ op(B) + beta * C, 2-D tensors; op(X) = X^T when the flag is set.
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
+          float beta);
+// y[r, :] += bias; db[:] += sum_r dy[r, :]
+void add_bias(Tensor& y, const Tensor& bias);
+void bias_backward(const Tensor& dy, Tensor& dbias);
+
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);  // accumulates
+
+// y = x / sqrt(mean(x^2) + eps) * w; rstd [rows] saved for backward.
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+// dx = (written), dw += (accumulated)
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw);
+
+// Rotary embedding in Hugging Face's half-split layout, in place on x [rows, heads*head_dim];
+// cos/sin tables are [positions, head_dim/2]; pos [rows] int64.
+void rope_forward(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads);
+void rope_backward(Tensor& dx, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads);
+
+// Causal attention with grouped kv heads. q [B,T,Hq,D], k/v [B,T,Hk,D]; seg [B,T] int64 or
+// undefined: a position attends only to earlier positions of the same segment (packing).
+// lse [B,Hq,T] float32 (log-sum-exp of the scaled scores) is saved for backward.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                       Tensor& out, Tensor& lse);
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
+                        Tensor& dk, Tensor& dv);
+
+// a = silu(g) * u
+void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a);
+void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du);
+
+// Cross-entropy of logits [rows, V] against targets [rows] int64 (-100: ignored). Writes
+// dlogits = (softmax - onehot) * grad_scale on valid rows, 0 elsewhere (dlogits may alias logits).
+// Returns the summed loss over valid rows (double) and adds their count to *valid.
+double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
+                     Tensor* dlogits, int64_t* valid);
+
+// Element-wise helpers.
+void add_(Tensor& a, const Tensor& b, float alpha = 1.0f);  // a += alpha * b
+void scale_(Tensor& a, float s);
+double sum_squares(const Tensor& a);  // in double
+// Dropout: out = x * mask / (1 - p), mask drawn from (seed, offset); p = 0 copies.
+void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
+
+// torch.optim.AdamW, one tensor; `step` counts from 1.
+struct AdamWParams {
+  float lr, beta1, beta2, eps, weight_decay;
+  int64_t step;
+};
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+
+}  // namespace rig::ops

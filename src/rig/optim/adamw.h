@@ -1,0 +1,54 @@
+// AdamW exactly as torch.optim.AdamW (decoupled weight decay, bias correction), with global
+// gradient-norm clipping as torch.nn.utils.clip_grad_norm_, and learning-rate schedules.
+#pragma once
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rig/model/llama.h"
+
+namespace rig {
+
+struct OptimizerConfig {
+  float lr = 2e-4f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  float max_grad_norm = 1.0f;  // 0: no clipping
+  bool no_decay_on_norms_and_biases = false;
+};
+
+class AdamW {
+ public:
+  explicit AdamW(OptimizerConfig c) : cfg_(c) {}
+  // Clips the global gradient norm, then updates every trainable parameter. Returns the norm
+  // before clipping.
+  double clip_and_step(std::vector<Param>& params, float lr);
+  int64_t steps() const { return step_; }
+
+  // Optimizer state for checkpoints: "adamw.m.<param>", "adamw.v.<param>" and the step count.
+  std::vector<std::pair<std::string, Tensor>> state_tensors() const;
+  void load_state(const std::map<std::string, Tensor>& tensors, int64_t step);
+
+ private:
+  OptimizerConfig cfg_;
+  int64_t step_ = 0;
+  std::map<std::string, std::pair<Tensor, Tensor>> mv_;
+};
+
+// Global L2 norm of the gradients of trainable parameters.
+double grad_norm(const std::vector<Param>& params);
+
+// Learning rate at optimizer step `step` (0-based), documented in docs/config-reference.md:
+//   warm-up (step < warmup): lr * (step + 1) / warmup
+//   constant: lr
+//   linear:   lr * max(min_ratio, (total - step) / (total - warmup))
+//   cosine:   lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))),
+//             progress = (step - warmup) / (total - warmup)
+struct Schedule {
+  std::string name = "constant";  // constant, linear, cosine
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;
+  float min_lr_ratio = 0.0f;
+  float lr_at(float base_lr, int64_t step) const;
+};
+
+}  // namespace rig

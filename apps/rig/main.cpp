@@ -1,4 +1,5 @@
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <vector>
@@ -28,6 +29,8 @@ Registrar::Registrar(std::string name, std::string help, Setup setup) {
 
 int main(int argc, char** argv) {
   using namespace rig::cli;
+  // Spinning OpenMP workers starve BLAS threads and other processes on small machines.
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
   CLI::App app{"rig: from a box of gaming GPUs to a fine-tuned LLM"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("rig ") + RIG_VERSION);

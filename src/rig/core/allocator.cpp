@@ -3,7 +3,9 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <new>
+#include <vector>
 
 namespace rig {
 
@@ -39,16 +41,48 @@ void Allocator::deallocate(void* p, size_t bytes) {
 }
 
 namespace {
+// Large blocks are cached by size: training allocates the same activation shapes every step, and
+// returning them to the OS costs page faults and zeroing on every reuse.
 class CpuAllocator final : public Allocator {
  public:
   CpuAllocator() : Allocator("cpu") {}
+  ~CpuAllocator() override {
+    for (auto& [size, blocks] : cache_)
+      for (void* p : blocks) std::free(p);
+  }
 
  protected:
-  void* raw_allocate(size_t bytes) override {
-    // 64-byte alignment suits AVX-512 loads and BLAS.
-    return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  static constexpr size_t kCacheMin = 64 << 10;
+  static size_t rounded(size_t bytes) {
+    return bytes >= kCacheMin ? (bytes + 4095) / 4096 * 4096 : (bytes + 63) / 64 * 64;
   }
-  void raw_deallocate(void* p, size_t) override { std::free(p); }
+  void* raw_allocate(size_t bytes) override {
+    size_t b = rounded(bytes);
+    if (b >= kCacheMin) {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = cache_.find(b);
+      if (it != cache_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        return p;
+      }
+    }
+    // 64-byte alignment suits AVX-512 loads and BLAS.
+    return std::aligned_alloc(64, b);
+  }
+  void raw_deallocate(void* p, size_t bytes) override {
+    size_t b = rounded(bytes);
+    if (b >= kCacheMin) {
+      std::lock_guard<std::mutex> g(mu_);
+      cache_[b].push_back(p);
+      return;
+    }
+    std::free(p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> cache_;
 };
 }  // namespace
 

@@ -68,6 +68,13 @@ double pcie_lane_gbs(int gen) {
   bad_input("PCIe generation {}: expected 1..6", gen);
 }
 
+double allreduce_seconds(double bytes, int n, double busbw_gbs) {
+  return n <= 1 ? 0 : bytes * 2 * (n - 1) / n / (busbw_gbs * 1e9);
+}
+double allgather_seconds(double bytes, int n, double busbw_gbs) {
+  return n <= 1 ? 0 : bytes * (n - 1) / n / (busbw_gbs * 1e9);
+}
+
 std::string PcieLink::str() const {
   return fmt::format("gen{} x{}{}", gen, width, via_chipset ? " (chipset)" : "");
 }
@@ -298,14 +305,14 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
       // One all-reduce of the gradients per optimizer step; busbw = algbw·2(n−1)/n.
       p.comm_kind = "all-reduce";
       p.comm_bytes = grad_bytes;
-      p.comm_s = grad_bytes * 2 * (n - 1) / n / (p.busbw_gbs * 1e9);
+      p.comm_s = allreduce_seconds(grad_bytes, p.world, p.busbw_gbs);
     } else {
       // Per micro-batch: all-gather the weights for forward and again for backward, reduce-scatter
       // the gradients; busbw = algbw·(n−1)/n for both.
       p.comm_kind = "all-gather + reduce-scatter";
       const double w_full = p.memory.weights * n + p.memory.lora * n;
       p.comm_bytes = double(s.grad_accum) * (2 * w_full + grad_bytes);
-      p.comm_s = p.comm_bytes * (n - 1) / n / (p.busbw_gbs * 1e9);
+      p.comm_s = allgather_seconds(p.comm_bytes, p.world, p.busbw_gbs);
     }
   }
   p.step_s = p.step_compute_s + (1 - in.overlap) * p.comm_s;

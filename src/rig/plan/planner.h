@@ -28,6 +28,12 @@ std::vector<PcieLink> platform_links(const std::string& platform, int n, double*
 // "gen4x8,gen4x8,gen4x4" (one per card) or one entry for all cards.
 std::vector<PcieLink> parse_pcie(const std::string& text, int n);
 
+// Seconds for NCCL collectives of `bytes` (the buffer size, nccl-tests' "size") over n ranks at a
+// bus bandwidth in GB/s: all-reduce busbw = algbw·2(n−1)/n; all-gather and reduce-scatter
+// busbw = algbw·(n−1)/n.
+double allreduce_seconds(double bytes, int n, double busbw_gbs);
+double allgather_seconds(double bytes, int n, double busbw_gbs);
+
 struct GpuCount {
   std::string gpu;
   int count = 0;

@@ -130,7 +130,7 @@ std::string Plan::to_text() const {
 #define LINE(...) o += fmt::format(__VA_ARGS__) + "\n"
   std::string cards;
   for (auto& g : groups) cards += fmt::format("{}{}x{}", cards.empty() ? "" : ",", g.count, g.gpu->key);
-  LINE("{} ({:.2f}B params), {} {}{}, seq {} x micro-batch {} x accum {} x {} ranks ({} nodes of {})",
+  LINE("{} ({:.2f}B params), {} {}{}, seq {} x micro-batch {} x accum {} x {} rank(s) ({} node(s) of {})",
        in.model_name, memory.params.total() / 1e9, to_string(s.method),
        s.method == Method::full ? "" : fmt::format("r={} {} ", s.lora_rank, lora_targets_string(s.lora_targets)),
        to_string(s.strategy), s.seq_len, s.micro_batch, s.grad_accum, world, in.nodes, cards);

@@ -77,7 +77,8 @@ rig::cli::Registrar reg(
       app.add_option("--gpus,-g", in.gpus, "cards per node: 4x4090 or 2x4090,1x3090")
           ->capture_default_str();
       app.add_option("--nodes", in.nodes, "nodes")->capture_default_str();
-      app.add_option("--platform", in.platform, "lanes from a platform: z790, x670e, w3300, w790, epyc");
+      app.add_option("--platform", in.platform,
+                     "lanes from a platform: z790, x670e, w3300, w790, epyc");
       app.add_option("--pcie", in.pcie, "links per card: gen4x8,gen4x8,gen4x4c,... (c: chipset)");
       app.add_flag("--nvlink", in.nvlink, "NVLink bridges installed (pairs of 3090/A6000)");
       app.add_option("--network", in.network, "between nodes: eth:10, roce:40, ib:200 (Gbit/s)");
@@ -94,14 +95,17 @@ rig::cli::Registrar reg(
       app.add_option("--system-watts", in.system_w, "CPU, board, disks, fans per node")
           ->capture_default_str();
       app.add_option("--fit-per-gb", in.fit_per_gb, "bit-error rate of non-ECC memory, FIT per GB");
-      app.add_option("--mtbf-hours", in.other_mtbf_hours, "MTBF of other failures (crashes, power)");
+      app.add_option("--mtbf-hours", in.other_mtbf_hours,
+                     "MTBF of other failures (crashes, power)");
       app.add_option("--checkpoint-gbs", in.checkpoint_write_gbs, "checkpoint write speed, GB/s")
           ->capture_default_str();
       app.add_option("--checkpoint-seconds", in.checkpoint_seconds, "checkpoint write time");
       app.add_option("--currency", in.currency, "label for money")->capture_default_str();
-      app.add_option("--fx", in.fx, "currency units per USD for catalog prices")->capture_default_str();
+      app.add_option("--fx", in.fx, "currency units per USD for catalog prices")
+          ->capture_default_str();
       app.add_option("--hardware-cost", in.hardware_cost, "whole machine price (default: catalog)");
-      app.add_option("--platform-cost", in.platform_cost, "non-GPU parts per node (default 2000 USD)");
+      app.add_option("--platform-cost", in.platform_cost,
+                     "non-GPU parts per node (default 2000 USD)");
       app.add_option("--kwh-price", in.kwh_price, "electricity per kWh (default 0.15 USD)");
       app.add_option("--resale", in.resale_fraction, "fraction of hardware cost recovered")
           ->capture_default_str();

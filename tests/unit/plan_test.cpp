@@ -50,9 +50,9 @@ PlanInput doc_70b_input() {
 TEST(PlanModels, BuiltinShapesMatchPublishedParameterCounts) {
   // Parameter counts published on each model's Hugging Face page.
   const std::pair<const char*, int64_t> published[] = {
-      {"llama3-1b", 1'235'814'400},   {"llama3-3b", 3'212'749'824},
-      {"llama3-8b", 8'030'261'248},   {"llama3-70b", 70'553'706'496},
-      {"qwen2.5-7b", 7'615'616'512},  {"qwen2.5-14b", 14'770'033'664},
+      {"llama3-1b", 1'235'814'400},    {"llama3-3b", 3'212'749'824},
+      {"llama3-8b", 8'030'261'248},    {"llama3-70b", 70'553'706'496},
+      {"qwen2.5-7b", 7'615'616'512},   {"qwen2.5-14b", 14'770'033'664},
       {"qwen2.5-32b", 32'763'876'352}, {"qwen2.5-72b", 72'706'203'648},
       {"mistral-7b", 7'248'023'552}};
   for (auto [name, n] : published) {
@@ -272,7 +272,7 @@ TEST(PlanPower, TheDocuments1600WattSupply) {
   in.psu_w = 1600;
   auto p = make_plan(in, Catalog::builtin());
   EXPECT_DOUBLE_EQ(p.sustained_w, 4 * 450 + 300);  // the document's 2100 W
-  EXPECT_EQ(p.full_load_cards, 2);                  // floor((1600 - 300) / 450)
+  EXPECT_EQ(p.full_load_cards, 2);                 // floor((1600 - 300) / 450)
   bool warned = false;
   for (auto& w : p.warnings) warned |= w.find("cannot carry full load") != std::string::npos;
   EXPECT_TRUE(warned);
@@ -326,7 +326,7 @@ TEST(PlanCost, TheDocumentsCloudComparison) {
   EXPECT_NEAR(p.cloud_total, 288 * 4 * 25, 1e-6);  // ¥28,800, not ¥216,000
   EXPECT_NEAR(p.electricity, 2.1 * 1560 * 0.6, 1e-6);
   EXPECT_NEAR(p.buy_total, 75000 + 2.1 * 1560 * 0.6, 1e-6);
-  // Break-even: H · (28,800/1560 − 2.1·0.6) = 75,000 → about 4,700 h (~6.5 months of own
+  // Break-even: H · (28,800/1560 − 2.1·0.6) = 75,000 → about 4,400 h (~6 months of own
   // running), not "about 2 months".
   const double H = 75000 / (28800.0 / 1560 - 2.1 * 0.6);
   EXPECT_NEAR(p.break_even_hours, H, 1e-6);
@@ -340,15 +340,23 @@ TEST(PlanCatalog, FileMatchesCompiledInAndOverrides) {
   std::string file = rig::read_file(std::string(RIG_SOURCE_DIR) + "/configs/catalog/gpus.yaml");
   EXPECT_EQ(file, builtin_catalog_yaml()) << "regenerate src/rig/plan/catalog_data.cpp";
   auto c = Catalog::builtin();
-  for (const char* k : {"rtx3090", "rtx4090", "rtx5090", "a6000", "l40s", "a100-40gb",
-                        "a100-80gb", "h100", "h200"})
+  for (const char* k :
+       {"rtx3090", "rtx4090", "rtx5090", "a6000", "l40s", "a100-40gb", "a100-80gb", "h100", "h200"})
     EXPECT_NO_THROW(c.find(k)) << k;
   EXPECT_EQ(c.find("4090").key, "rtx4090");
   EXPECT_EQ(c.find("RTX 4090").key, "rtx4090");
   EXPECT_FALSE(c.find("4090").p2p);
-  c.merge_yaml("gpus:\n  rtx4090:\n    price_usd: 1800\n  mycard:\n    memory_mib: 1000\n"
-               "    bf16_tflops: 10\n    tdp_w: 100\n",
-               "user.yaml");
+  // Section 1.1's bandwidths are right; its "82.6 TFLOPS" is the 4090's non-tensor rate, the
+  // tensor-core bf16 rate with fp32 accumulate is twice that.
+  EXPECT_EQ(c.find("4090").bandwidth_gbs, 1008);
+  EXPECT_EQ(c.find("a100-40gb").bandwidth_gbs, 1555);
+  EXPECT_EQ(c.find("h100").bandwidth_gbs, 3350);
+  EXPECT_NEAR(c.find("4090").bf16_tflops, 2 * 82.6, 0.01);
+  EXPECT_EQ(c.find("a100-40gb").tdp_w, 400);  // SXM4, not the table's 300 W
+  c.merge_yaml(
+      "gpus:\n  rtx4090:\n    price_usd: 1800\n  mycard:\n    memory_mib: 1000\n"
+      "    bf16_tflops: 10\n    tdp_w: 100\n",
+      "user.yaml");
   EXPECT_EQ(c.find("4090").price_usd, 1800);
   EXPECT_EQ(c.find("4090").tdp_w, 450);  // untouched fields stay
   EXPECT_EQ(c.find("mycard").bf16_tflops, 10);
@@ -378,8 +386,9 @@ TEST(PlanCli, JsonAndErrors) {
   auto bad = rig::test::run_rig("plan --gpus 4xvoodoo5");
   EXPECT_EQ(bad.code, 1);
   EXPECT_NE(bad.out.find("rig: GPU 'voodoo5' is not in the catalog"), std::string::npos) << bad.out;
-  auto txt = rig::test::run_rig("plan --model llama3-70b --gpus 4x4090 --strategy sharded "
-                                "--rank 64 --targets all --optimizer adamw8bit --psu 1600");
+  auto txt = rig::test::run_rig(
+      "plan --model llama3-70b --gpus 4x4090 --strategy sharded "
+      "--rank 64 --targets all --optimizer adamw8bit --psu 1600");
   EXPECT_EQ(txt.code, 0);
   EXPECT_NE(txt.out.find("PSU 1600 W cannot carry full load 2100 W"), std::string::npos) << txt.out;
 }

@@ -17,8 +17,8 @@ std::string lower(std::string s) {
 
 std::string normalize(std::string s) {
   s = lower(s);
-  for (const char* prefix : {"nvidia-", "nvidia ", "nvidia", "geforce-", "geforce ", "rtx-",
-                             "rtx ", "rtx"})
+  for (const char* prefix :
+       {"nvidia-", "nvidia ", "nvidia", "geforce-", "geforce ", "rtx-", "rtx ", "rtx"})
     if (s.starts_with(prefix)) s = s.substr(std::string(prefix).size());
   return s;
 }
@@ -30,14 +30,16 @@ void get(const YAML::Node& n, const char* field, T& out, const std::string& wher
     out = n[field].as<T>();
   } catch (const YAML::Exception& e) {
     bad_input("{}: field '{}' (line {}): expected a {}", where, field, n[field].Mark().line + 1,
-              std::is_same_v<T, bool> ? "boolean" : std::is_arithmetic_v<T> ? "number" : "string");
+              std::is_same_v<T, bool>   ? "boolean"
+              : std::is_arithmetic_v<T> ? "number"
+                                        : "string");
   }
 }
 
 const std::vector<std::string> kFields = {
-    "aliases", "name", "memory_gb", "memory_mib", "bandwidth_gbs", "bf16_tflops", "tdp_w",
-    "transient", "price_usd", "cloud_usd_hour", "pcie_gen", "p2p", "nvlink", "nvlink_gbs", "ecc",
-    "fit_per_gb"};
+    "aliases", "name",       "memory_gb", "memory_mib",     "bandwidth_gbs", "bf16_tflops",
+    "tdp_w",   "transient",  "price_usd", "cloud_usd_hour", "pcie_gen",      "p2p",
+    "nvlink",  "nvlink_gbs", "ecc",       "fit_per_gb"};
 
 }  // namespace
 
@@ -47,7 +49,9 @@ Catalog Catalog::builtin() {
   return c;
 }
 
-void Catalog::merge_file(const std::string& path) { merge_yaml(read_file(path), path); }
+void Catalog::merge_file(const std::string& path) {
+  merge_yaml(read_file(path), path);
+}
 
 void Catalog::merge_yaml(const std::string& text, const std::string& source) {
   YAML::Node root;
@@ -86,18 +90,25 @@ void Catalog::merge_yaml(const std::string& text, const std::string& source) {
     get(n, "nvlink_gbs", g.nvlink_gbs, where);
     get(n, "ecc", g.ecc, where);
     get(n, "fit_per_gb", g.fit_per_gb, where);
-    std::string nv = g.nvlink == NvLink::sxm ? "sxm" : g.nvlink == NvLink::bridge ? "bridge" : "none";
+    std::string nv = g.nvlink == NvLink::sxm      ? "sxm"
+                     : g.nvlink == NvLink::bridge ? "bridge"
+                                                  : "none";
     get(n, "nvlink", nv, where);
-    if (nv == "none") g.nvlink = NvLink::none;
-    else if (nv == "bridge") g.nvlink = NvLink::bridge;
-    else if (nv == "sxm") g.nvlink = NvLink::sxm;
-    else bad_input("{}: nvlink '{}': expected none, bridge or sxm", where, nv);
+    if (nv == "none")
+      g.nvlink = NvLink::none;
+    else if (nv == "bridge")
+      g.nvlink = NvLink::bridge;
+    else if (nv == "sxm")
+      g.nvlink = NvLink::sxm;
+    else
+      bad_input("{}: nvlink '{}': expected none, bridge or sxm", where, nv);
     if (g.name.empty()) g.name = key;
     // A new card must say enough to be planned with.
     if (is_new && (g.memory_mib <= 0 || g.bf16_tflops <= 0 || g.tdp_w <= 0))
       bad_input("{}: a new card needs memory_mib, bf16_tflops and tdp_w (all > 0)", where);
     if (g.memory_gb <= 0) g.memory_gb = g.memory_mib * 1024 * 1024 / 1e9;
-    if (g.pcie_gen < 1 || g.pcie_gen > 6) bad_input("{}: pcie_gen {} is not 1..6", where, g.pcie_gen);
+    if (g.pcie_gen < 1 || g.pcie_gen > 6)
+      bad_input("{}: pcie_gen {} is not 1..6", where, g.pcie_gen);
   }
 }
 

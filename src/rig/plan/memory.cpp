@@ -12,20 +12,25 @@ struct TargetName {
   unsigned bit;
   const char* name;
 };
-constexpr TargetName kTargets[] = {{kQ, "q"},  {kK, "k"},       {kV, "v"},      {kO, "o"},
+constexpr TargetName kTargets[] = {{kQ, "q"},       {kK, "k"},   {kV, "v"},      {kO, "o"},
                                    {kGate, "gate"}, {kUp, "up"}, {kDown, "down"}};
 
 // Input and output width of each LoRA target's linear layer.
 std::pair<int64_t, int64_t> target_dims(const ModelConfig& m, unsigned t) {
   const int64_t h = m.hidden_size, f = m.intermediate_size;
   switch (t) {
-    case kQ: return {h, m.q_dim()};
+    case kQ:
+      return {h, m.q_dim()};
     case kK:
-    case kV: return {h, m.kv_dim()};
-    case kO: return {m.q_dim(), h};
+    case kV:
+      return {h, m.kv_dim()};
+    case kO:
+      return {m.q_dim(), h};
     case kGate:
-    case kUp: return {h, f};
-    default: return {f, h};
+    case kUp:
+      return {h, f};
+    default:
+      return {f, h};
   }
 }
 
@@ -77,8 +82,8 @@ ParamCounts count_params(const ModelConfig& m, const TrainSetup& s) {
   const int64_t h = m.hidden_size, f = m.intermediate_size, q = m.q_dim(), kv = m.kv_dim();
   c.layers = m.num_layers;
   c.linear_per_layer = h * q + 2 * h * kv + q * h + 3 * h * f;
-  c.other_per_layer = 2 * h + (m.qkv_bias ? q + 2 * kv : 0) + (m.o_bias ? h : 0) +
-                      (m.mlp_bias ? 2 * f + h : 0);
+  c.other_per_layer =
+      2 * h + (m.qkv_bias ? q + 2 * kv : 0) + (m.o_bias ? h : 0) + (m.mlp_bias ? 2 * f + h : 0);
   c.embedding = m.vocab_size * h;
   c.lm_head = m.tie_word_embeddings ? 0 : m.vocab_size * h;
   c.final_norm = h;
@@ -184,12 +189,10 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
 }
 
 std::vector<std::pair<std::string, double>> MemoryEstimate::terms() const {
-  return {{"weights", weights},       {"lora", lora},
-          {"gradients", gradients},   {"master", master},
-          {"optimizer", optimizer},   {"activations", activations},
-          {"layer_peak", layer_peak}, {"logits", logits},
-          {"comm_buffers", comm_buffers}, {"workspace", workspace},
-          {"context", context}};
+  return {{"weights", weights},       {"lora", lora},           {"gradients", gradients},
+          {"master", master},         {"optimizer", optimizer}, {"activations", activations},
+          {"layer_peak", layer_peak}, {"logits", logits},       {"comm_buffers", comm_buffers},
+          {"workspace", workspace},   {"context", context}};
 }
 
 const char* to_string(Method v) {
@@ -198,9 +201,15 @@ const char* to_string(Method v) {
 const char* to_string(Checkpointing v) {
   return v == Checkpointing::none ? "none" : v == Checkpointing::full ? "full" : "selective";
 }
-const char* to_string(Optimizer v) { return v == Optimizer::adamw ? "adamw" : "adamw8bit"; }
-const char* to_string(Strategy v) { return v == Strategy::sharded ? "sharded" : "data-parallel"; }
-const char* to_string(Precision v) { return v == Precision::bf16 ? "bf16" : "fp32"; }
+const char* to_string(Optimizer v) {
+  return v == Optimizer::adamw ? "adamw" : "adamw8bit";
+}
+const char* to_string(Strategy v) {
+  return v == Strategy::sharded ? "sharded" : "data-parallel";
+}
+const char* to_string(Precision v) {
+  return v == Precision::bf16 ? "bf16" : "fp32";
+}
 
 Method parse_method(const std::string& t) {
   if (t == "full") return Method::full;

@@ -86,8 +86,9 @@ struct ParamCounts {
 ParamCounts count_params(const ModelConfig& m, const TrainSetup& s);
 
 // The tensors one decoder layer saves for its backward, in bytes, per checkpointing mode.
-// With a = activation bytes, BT = micro_batch · seq_len, q = heads·head_dim, kv = kv_heads·head_dim,
-// f = intermediate, r = LoRA rank, n_t = number of LoRA targets, the layer saves (no checkpointing):
+// With a = activation bytes, BT = micro_batch · seq_len, q = heads·head_dim, kv =
+// kv_heads·head_dim, f = intermediate, r = LoRA rank, n_t = number of LoRA targets, the layer saves
+// (no checkpointing):
 //   x      BT·h·a    layer input (RMSNorm 1 backward)          rstd1, rstd2   2·BT·4 (fp32)
 //   xn1    BT·h·a    normed input of q,k,v  [full, or LoRA on q/k/v]
 //   q,k,v  BT·(q+2kv)·a after RoPE          attn  BT·q·a   attention output (input of o)

@@ -58,12 +58,18 @@ int64_t largest(int64_t step, int64_t cap, F ok) {
 
 double pcie_lane_gbs(int gen) {
   switch (gen) {
-    case 1: return 0.25;
-    case 2: return 0.5;
-    case 3: return 0.985;
-    case 4: return 1.969;
-    case 5: return 3.938;
-    case 6: return 7.563;
+    case 1:
+      return 0.25;
+    case 2:
+      return 0.5;
+    case 3:
+      return 0.985;
+    case 4:
+      return 1.969;
+    case 5:
+      return 3.938;
+    case 6:
+      return 7.563;
   }
   bad_input("PCIe generation {}: expected 1..6", gen);
 }
@@ -109,7 +115,8 @@ std::vector<PcieLink> platform_links(const std::string& platform, int n, double*
     room(8);
     out.assign(n, {5, 16, false});
   } else {
-    bad_input("platform '{}': expected z790, x670e, w3300, w790 or epyc (or give --pcie)", platform);
+    bad_input("platform '{}': expected z790, x670e, w3300, w790 or epyc (or give --pcie)",
+              platform);
   }
   return out;
 }
@@ -145,7 +152,8 @@ std::vector<GpuCount> parse_gpus(const std::string& text) {
     auto x = item.find_first_of("x×");
     if (x != std::string::npos && x > 0 && std::isdigit(static_cast<unsigned char>(item[0]))) {
       double c = to_number(item.substr(0, x), "--gpus '" + text + "'");
-      if (c < 1 || c != std::floor(c)) bad_input("--gpus '{}': count must be a whole number >= 1", text);
+      if (c < 1 || c != std::floor(c))
+        bad_input("--gpus '{}': count must be a whole number >= 1", text);
       g.count = int(c);
       g.gpu = item.substr(x + 1);
     } else {
@@ -166,9 +174,12 @@ Network parse_network(const std::string& text) {
   n.kind = parts[0];
   n.gbps = to_number(parts[1], "--network '" + text + "'");
   // RDMA reaches ~90% of line rate; TCP over Ethernet less.
-  if (n.kind == "ib" || n.kind == "roce") n.efficiency = 0.9;
-  else if (n.kind == "eth" || n.kind == "tcp") n.efficiency = 0.8;
-  else bad_input("--network '{}': kind must be eth, roce or ib", text);
+  if (n.kind == "ib" || n.kind == "roce")
+    n.efficiency = 0.9;
+  else if (n.kind == "eth" || n.kind == "tcp")
+    n.efficiency = 0.8;
+  else
+    bad_input("--network '{}': kind must be eth, roce or ib", text);
   if (n.gbps <= 0) bad_input("--network '{}': speed must be > 0 Gbit/s", text);
   return n;
 }
@@ -192,7 +203,8 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
   p.in = input;
   PlanInput& in = p.in;
   if (in.nodes < 1) bad_input("--nodes {}: expected >= 1", in.nodes);
-  if (in.efficiency <= 0 || in.efficiency > 1) bad_input("--efficiency {}: expected (0, 1]", in.efficiency);
+  if (in.efficiency <= 0 || in.efficiency > 1)
+    bad_input("--efficiency {}: expected (0, 1]", in.efficiency);
   if (in.overlap < 0 || in.overlap > 1) bad_input("--overlap {}: expected [0, 1]", in.overlap);
   if (in.setup.grad_accum < 1) bad_input("--grad-accum must be >= 1");
 
@@ -209,7 +221,8 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
   }
   p.world = per_node * in.nodes;
   in.setup.world_size = p.world;
-  if (p.world == 1 && in.setup.strategy == Strategy::sharded) in.setup.strategy = Strategy::data_parallel;
+  if (p.world == 1 && in.setup.strategy == Strategy::sharded)
+    in.setup.strategy = Strategy::data_parallel;
   const ModelConfig& m = in.model;
   const TrainSetup& s = in.setup;
 
@@ -228,14 +241,18 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
                                        g.gpu->key, format_bytes(p.memory.total()),
                                        format_bytes(g.budget)));
   }
-  p.max_micro_batch = largest(1, 1 << 16, [&](int64_t b) { return fits_at(m, s, budget, b, s.seq_len); });
-  p.max_seq_len = largest(128, 1 << 22, [&](int64_t t) { return fits_at(m, s, budget, s.micro_batch, t); });
+  p.max_micro_batch =
+      largest(1, 1 << 16, [&](int64_t b) { return fits_at(m, s, budget, b, s.seq_len); });
+  p.max_seq_len =
+      largest(128, 1 << 22, [&](int64_t t) { return fits_at(m, s, budget, s.micro_batch, t); });
 
   // ---- links ----
   std::vector<PcieLink> links;
   double uplink = 0;
-  if (!in.pcie.empty()) links = parse_pcie(in.pcie, per_node);
-  else if (!in.platform.empty()) links = platform_links(in.platform, per_node, &uplink);
+  if (!in.pcie.empty())
+    links = parse_pcie(in.pcie, per_node);
+  else if (!in.platform.empty())
+    links = platform_links(in.platform, per_node, &uplink);
   {
     size_t i = 0;
     for (auto& g : p.groups)
@@ -254,10 +271,13 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
     g.tflops = g.gpu->bf16_tflops * in.efficiency * factor;
     g.tokens_per_s = g.tflops * 1e12 / fpt;
     // Ranks step together: the slowest card sets the pace.
-    p.step_compute_s = std::max(p.step_compute_s, double(s.micro_batch * s.seq_len * s.grad_accum) / g.tokens_per_s);
+    p.step_compute_s = std::max(p.step_compute_s,
+                                double(s.micro_batch * s.seq_len * s.grad_accum) / g.tokens_per_s);
   }
   if (p.groups.size() > 1)
-    p.warnings.push_back("mixed cards: every rank gets the same batch, so the slowest card sets the step time and the smallest card the memory limit");
+    p.warnings.push_back(
+        "mixed cards: every rank gets the same batch, so the slowest card sets the step time and "
+        "the smallest card the memory limit");
 
   if (p.world > 1) {
     // Bus bandwidth: the slowest link of the ring.
@@ -287,7 +307,8 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
         }
       p.comm_path = all_p2p ? "PCIe peer-to-peer" : "PCIe through host memory (no P2P)";
       if (!all_p2p && in.nvlink)
-        p.warnings.push_back("--nvlink ignored: bridges link only two cards of a kind that has them");
+        p.warnings.push_back(
+            "--nvlink ignored: bridges link only two cards of a kind that has them");
     }
     p.busbw_gbs = intra;
     if (in.nodes > 1) {
@@ -298,8 +319,8 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
       p.comm_path += fmt::format(" + {} {} Gbit/s between nodes", net.kind, net.gbps);
     }
     const double n = p.world;
-    const double trainable = s.trains_base() ? double(p.memory.params.total())
-                                             : double(p.memory.params.lora_total());
+    const double trainable =
+        s.trains_base() ? double(p.memory.params.total()) : double(p.memory.params.lora_total());
     const double grad_bytes = trainable * s.param_bytes();
     if (s.strategy == Strategy::data_parallel) {
       // One all-reduce of the gradients per optimizer step; busbw = algbw·2(n−1)/n.
@@ -320,10 +341,13 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
   p.tokens_per_s = p.tokens_per_step / p.step_s;
   p.job_hours = in.job_hours > 0 ? in.job_hours : in.tokens / p.tokens_per_s / 3600;
   if (p.comm_share > 0.2)
-    p.warnings.push_back(fmt::format("communication is {:.0f}% of the step: raise --grad-accum or use faster links", 100 * p.comm_share));
+    p.warnings.push_back(
+        fmt::format("communication is {:.0f}% of the step: raise --grad-accum or use faster links",
+                    100 * p.comm_share));
   bool host_staged = p.comm_path.find("host memory") != std::string::npos;
   if (host_staged)
-    p.warnings.push_back("no peer-to-peer on these cards: NCCL stages every transfer through host memory");
+    p.warnings.push_back(
+        "no peer-to-peer on these cards: NCCL stages every transfer through host memory");
 
   // ---- power (per node) ----
   double tdp_sum = 0, transient_sum = 0;
@@ -349,10 +373,13 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
           "PSU {:.0f} W cannot carry full load {:.0f} W{}; set --power-limit, add a second PSU or "
           "fewer cards",
           in.psu_w, p.sustained_w,
-          p.full_load_cards >= 0 ? fmt::format(" (it carries {} cards at full load)", p.full_load_cards) : ""));
+          p.full_load_cards >= 0
+              ? fmt::format(" (it carries {} cards at full load)", p.full_load_cards)
+              : ""));
     else if (in.psu_w < p.psu_recommended_w)
-      p.warnings.push_back(fmt::format("PSU {:.0f} W is under the recommended {:.0f} W (30% headroom, transients to {:.0f} W)",
-                                       in.psu_w, p.psu_recommended_w, p.transient_w));
+      p.warnings.push_back(fmt::format(
+          "PSU {:.0f} W is under the recommended {:.0f} W (30% headroom, transients to {:.0f} W)",
+          in.psu_w, p.psu_recommended_w, p.transient_w));
   }
 
   // ---- reliability ----
@@ -365,15 +392,18 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
   p.expected_bit_errors = p.fit_total * p.job_hours / 1e9;
   p.p_bit_error = 1 - std::exp(-p.expected_bit_errors);
   if (p.expected_bit_errors > 0.01)
-    p.warnings.push_back(fmt::format("no ECC: {:.2f} expected silent bit errors over the run ({:.0f}% chance of at least one); keep checksummed checkpoints",
-                                     p.expected_bit_errors, 100 * p.p_bit_error));
+    p.warnings.push_back(
+        fmt::format("no ECC: {:.2f} expected silent bit errors over the run ({:.0f}% chance of at "
+                    "least one); keep checksummed checkpoints",
+                    p.expected_bit_errors, 100 * p.p_bit_error));
   {
-    const double trainable = s.trains_base() ? double(p.memory.params.total())
-                                             : double(p.memory.params.lora_total());
+    const double trainable =
+        s.trains_base() ? double(p.memory.params.total()) : double(p.memory.params.lora_total());
     const double opt = s.optimizer == Optimizer::adamw ? 8.0 : 2.0;
     p.checkpoint_bytes = trainable * (s.param_bytes() + s.master_bytes() + opt);
-    p.checkpoint_s = in.checkpoint_seconds > 0 ? in.checkpoint_seconds
-                                               : p.checkpoint_bytes / (in.checkpoint_write_gbs * 1e9);
+    p.checkpoint_s = in.checkpoint_seconds > 0
+                         ? in.checkpoint_seconds
+                         : p.checkpoint_bytes / (in.checkpoint_write_gbs * 1e9);
     double rate = p.fit_total / 1e9 + (in.other_mtbf_hours > 0 ? 1 / in.other_mtbf_hours : 0);
     p.failure_mtbf_hours = rate > 0 ? 1 / rate : 0;
     if (rate > 0) p.young_daly_s = std::sqrt(2 * p.checkpoint_s * p.failure_mtbf_hours * 3600);

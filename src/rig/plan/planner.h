@@ -24,7 +24,8 @@ struct PcieLink {
 // Slots a platform gives `n` cards, from its CPU lanes first: z790 (16 gen5 CPU lanes → x16, or
 // x8/x8; more cards on gen4 x4 chipset slots behind DMI 4.0 x8), x670e, w3300 (Xeon W-3300, 64
 // gen4 lanes), w790, epyc. Throws InputError when the platform has no room for n cards.
-std::vector<PcieLink> platform_links(const std::string& platform, int n, double* chipset_uplink_gbs);
+std::vector<PcieLink> platform_links(const std::string& platform, int n,
+                                     double* chipset_uplink_gbs);
 // "gen4x8,gen4x8,gen4x4" (one per card) or one entry for all cards.
 std::vector<PcieLink> parse_pcie(const std::string& text, int n);
 
@@ -54,10 +55,10 @@ struct PlanInput {
   TrainSetup setup;  // world_size is set from gpus × nodes
   std::string gpus = "1x4090";
   int nodes = 1;
-  std::string platform;  // empty: every card at x16 of its own generation
-  std::string pcie;      // overrides platform
-  bool nvlink = false;   // NVLink bridges installed (2 cards per node)
-  std::string network;   // between nodes
+  std::string platform;             // empty: every card at x16 of its own generation
+  std::string pcie;                 // overrides platform
+  bool nvlink = false;              // NVLink bridges installed (2 cards per node)
+  std::string network;              // between nodes
   double pcie_efficiency = 0.75;    // bus bandwidth / raw link rate for NCCL over PCIe
   double nvlink_efficiency = 0.80;  // same over NVLink
   double efficiency = 0.35;         // achieved / peak dense bf16 TFLOPS for the GEMMs
@@ -66,26 +67,26 @@ struct PlanInput {
   double tokens = 1e9;              // training tokens of the job
   double job_hours = 0;             // override the computed job time (0: from tokens)
   // power
-  double system_w = 300;      // CPU, board, disks, fans per node
-  double psu_w = 0;           // 0: not checked
-  double power_limit_w = 0;   // per card; 0: TDP
+  double system_w = 300;             // CPU, board, disks, fans per node
+  double psu_w = 0;                  // 0: not checked
+  double power_limit_w = 0;          // per card; 0: TDP
   double power_perf_exponent = 0.2;  // throughput ∝ (limit/TDP)^exponent
   // reliability
-  double fit_per_gb = -1;          // <0: the catalog's, for cards without ECC
-  double other_mtbf_hours = 0;     // other failures of the whole system; 0: none counted
+  double fit_per_gb = -1;             // <0: the catalog's, for cards without ECC
+  double other_mtbf_hours = 0;        // other failures of the whole system; 0: none counted
   double checkpoint_write_gbs = 2.0;  // disk write speed
   double checkpoint_seconds = 0;      // override the computed write time
   // cost (money in `currency`; catalog USD × fx)
   std::string currency = "USD";
   double fx = 1.0;
-  double hardware_cost = -1;    // <0: GPUs from the catalog + platform_cost
-  double platform_cost = -1;    // <0: 2000 USD × fx per node
-  double kwh_price = -1;        // <0: 0.15 USD × fx
+  double hardware_cost = -1;  // <0: GPUs from the catalog + platform_cost
+  double platform_cost = -1;  // <0: 2000 USD × fx per node
+  double kwh_price = -1;      // <0: 0.15 USD × fx
   double resale_fraction = 0.5;
   std::string cloud_gpu = "a100-80gb";
-  int cloud_count = 0;          // 0: same number of GPUs
-  double cloud_price = -1;      // per GPU-hour; <0: catalog × fx
-  double cloud_job_hours = 0;   // override (0: from tokens and the cloud card's speed)
+  int cloud_count = 0;         // 0: same number of GPUs
+  double cloud_price = -1;     // per GPU-hour; <0: catalog × fx
+  double cloud_job_hours = 0;  // override (0: from tokens and the cloud card's speed)
 };
 
 struct Flops {
@@ -103,7 +104,7 @@ struct GroupPlan {  // one kind of card
   std::vector<PcieLink> links;
   double budget = 0;  // bytes usable
   bool fits = false;
-  double tflops = 0;  // effective, after efficiency and power limit
+  double tflops = 0;        // effective, after efficiency and power limit
   double tokens_per_s = 0;  // per card, compute only
 };
 

@@ -129,11 +129,16 @@ std::string Plan::to_text() const {
   std::string o;
 #define LINE(...) o += fmt::format(__VA_ARGS__) + "\n"
   std::string cards;
-  for (auto& g : groups) cards += fmt::format("{}{}x{}", cards.empty() ? "" : ",", g.count, g.gpu->key);
-  LINE("{} ({:.2f}B params), {} {}{}, seq {} x micro-batch {} x accum {} x {} rank(s) ({} node(s) of {})",
-       in.model_name, memory.params.total() / 1e9, to_string(s.method),
-       s.method == Method::full ? "" : fmt::format("r={} {} ", s.lora_rank, lora_targets_string(s.lora_targets)),
-       to_string(s.strategy), s.seq_len, s.micro_batch, s.grad_accum, world, in.nodes, cards);
+  for (auto& g : groups)
+    cards += fmt::format("{}{}x{}", cards.empty() ? "" : ",", g.count, g.gpu->key);
+  LINE(
+      "{} ({:.2f}B params), {} {}{}, seq {} x micro-batch {} x accum {} x {} rank(s) ({} node(s) "
+      "of {})",
+      in.model_name, memory.params.total() / 1e9, to_string(s.method),
+      s.method == Method::full
+          ? ""
+          : fmt::format("r={} {} ", s.lora_rank, lora_targets_string(s.lora_targets)),
+      to_string(s.strategy), s.seq_len, s.micro_batch, s.grad_accum, world, in.nodes, cards);
   LINE("checkpointing {}, optimizer {}, precision {}", to_string(s.checkpointing),
        to_string(s.optimizer), to_string(s.precision));
   o += "\n";
@@ -142,7 +147,8 @@ std::string Plan::to_text() const {
   LINE("  {:<14} {:>12}   (peak counts the larger of layer_peak and logits)", "total",
        format_bytes(memory.total()));
   for (auto& g : groups)
-    LINE("  {:<14} {:>12}   {}", g.gpu->key, format_bytes(g.budget), g.fits ? "fits" : "DOES NOT FIT");
+    LINE("  {:<14} {:>12}   {}", g.gpu->key, format_bytes(g.budget),
+         g.fits ? "fits" : "DOES NOT FIT");
   LINE("  largest micro-batch at seq {}: {}; largest seq at micro-batch {}: {}", s.seq_len,
        max_micro_batch, s.micro_batch, max_seq_len);
   o += "\n";
@@ -152,35 +158,43 @@ std::string Plan::to_text() const {
   for (auto& g : groups) {
     std::string links;
     for (auto& l : g.links) links += (links.empty() ? "" : ", ") + l.str();
-    LINE("  {:<14} {:.1f} TFLOP/s effective, {:.0f} tokens/s per card, PCIe {}", g.gpu->key, g.tflops,
-         g.tokens_per_s, links);
+    LINE("  {:<14} {:.1f} TFLOP/s effective, {:.0f} tokens/s per card, PCIe {}", g.gpu->key,
+         g.tflops, g.tokens_per_s, links);
   }
   if (world > 1)
-    LINE("  comm           {} of {} per step over {} at {:.1f} GB/s bus bandwidth: {:.3f} s ({:.1f}% of the step)",
-         comm_kind, format_bytes(comm_bytes), comm_path, busbw_gbs, comm_s, 100 * comm_share);
-  LINE("  step           {:.3f} s for {:.0f} tokens -> {:.0f} tokens/s; {:.3g} tokens in {}", step_s,
-       tokens_per_step, tokens_per_s, in.tokens, hours_str(job_hours));
+    LINE(
+        "  comm           {} of {} per step over {} at {:.1f} GB/s bus bandwidth: {:.3f} s "
+        "({:.1f}% of the step)",
+        comm_kind, format_bytes(comm_bytes), comm_path, busbw_gbs, comm_s, 100 * comm_share);
+  LINE("  step           {:.3f} s for {:.0f} tokens -> {:.0f} tokens/s; {:.3g} tokens in {}",
+       step_s, tokens_per_step, tokens_per_s, in.tokens, hours_str(job_hours));
   o += "\n";
   LINE("Power per node");
-  LINE("  sustained {:.0f} W (GPUs + {:.0f} W system), transients to {:.0f} W, recommended PSU {:.0f} W",
-       sustained_w, in.system_w, transient_w, psu_recommended_w);
+  LINE(
+      "  sustained {:.0f} W (GPUs + {:.0f} W system), transients to {:.0f} W, recommended PSU "
+      "{:.0f} W",
+      sustained_w, in.system_w, transient_w, psu_recommended_w);
   if (in.power_limit_w > 0)
     LINE("  power limit {:.0f} W per card saves {:.0f} W", in.power_limit_w, power_saving_w);
   o += "\n";
   LINE("Reliability");
   if (fit_total > 0)
-    LINE("  {:.0f} FIT of non-ECC memory: one bit error per {:.0f} h; {:.3f} expected over the run ({:.1f}% chance of one)",
-         fit_total, mtbf_hours, expected_bit_errors, 100 * p_bit_error);
+    LINE(
+        "  {:.0f} FIT of non-ECC memory: one bit error per {:.0f} h; {:.3f} expected over the run "
+        "({:.1f}% chance of one)",
+        fit_total, mtbf_hours, expected_bit_errors, 100 * p_bit_error);
   else
     LINE("  ECC memory: bit errors are corrected");
   if (young_daly_s > 0)
-    LINE("  checkpoint {} written in {:.1f} s; Young/Daly interval sqrt(2*C*MTBF) = {:.1f} h ({:.0f} steps)",
-         format_bytes(checkpoint_bytes), checkpoint_s, young_daly_s / 3600,
-         step_s > 0 ? young_daly_s / step_s : 0);
+    LINE(
+        "  checkpoint {} written in {:.1f} s; Young/Daly interval sqrt(2*C*MTBF) = {:.1f} h "
+        "({:.0f} steps)",
+        format_bytes(checkpoint_bytes), checkpoint_s, young_daly_s / 3600,
+        step_s > 0 ? young_daly_s / step_s : 0);
   o += "\n";
   LINE("Cost ({})", in.currency);
-  LINE("  buy:   hardware {:.0f} - resale {:.0f} + electricity {:.0f} ({:.0f} kWh) = {:.0f}", hardware,
-       resale, electricity, energy_kwh, buy_total);
+  LINE("  buy:   hardware {:.0f} - resale {:.0f} + electricity {:.0f} ({:.0f} kWh) = {:.0f}",
+       hardware, resale, electricity, energy_kwh, buy_total);
   LINE("  cloud: {:.1f} h on {} at {:.2f}/GPU-h = {:.0f}", cloud_hours, in.cloud_gpu, cloud_price,
        cloud_total);
   LINE("  buying pays off after {} of own-hardware work", hours_str(break_even_hours));

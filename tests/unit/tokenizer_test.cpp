@@ -7,6 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "rig/core/error.h"
 #include "rig/io/atomic_file.h"
@@ -224,6 +225,62 @@ TEST(Tokenizer, UnsupportedPiecesNameTheKey) {
   json bad_merge = {{"model", {{"type", "BPE"}, {"vocab", {{"a", 0}}}, {"merges", {"a q"}}}}};
   EXPECT_THROW(rig::Tokenizer::from_json(bad_merge.dump()), rig::InputError);
   EXPECT_THROW(rig::Tokenizer::from_json("{not json"), rig::InputError);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(TokenizeCli, EncodesAndDecodesJsonl) {
+  REQUIRE_TOKENIZER(tok, "llama3");
+  json refs = json::parse(rig::read_file(rig::test::data_path("tokenizer/tok_llama3_public.json")));
+  std::string dir = rig::test::temp_dir("tokenize_cli");
+  std::string in;
+  std::vector<json> want;
+  for (size_t i = 0; i < refs.size(); i += 7) {
+    in += json{{"text", refs[i]["text"]}}.dump() + "\n";
+    want.push_back(refs[i]);
+  }
+  rig::write_file_atomic(dir + "/in.jsonl", in);
+  auto r = rig::test::run_rig("tokenize --special --tokenizer " + cached_tokenizer("llama3") + " > " +
+                                  dir + "/ids.jsonl",
+                              dir + "/in.jsonl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::string ids = rig::read_file(dir + "/ids.jsonl");
+  std::istringstream ss(ids);
+  std::string line;
+  size_t n = 0;
+  while (std::getline(ss, line)) {
+    ASSERT_LT(n, want.size());
+    EXPECT_EQ(json::parse(line)["ids"], want[n]["ids"]) << "line " << n + 1;
+    ++n;
+  }
+  EXPECT_EQ(n, want.size());
+  r = rig::test::run_rig("tokenize --decode --tokenizer " + cached_tokenizer("llama3") + " > " + dir +
+                             "/text.jsonl",
+                         dir + "/ids.jsonl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::istringstream ts(rig::read_file(dir + "/text.jsonl"));
+  n = 0;
+  while (std::getline(ts, line)) EXPECT_EQ(json::parse(line)["text"], want[n++]["decoded"]);
+  EXPECT_EQ(n, want.size());
+}
+
+TEST(TokenizeCli, MalformedLineNamesLineNumber) {
+  REQUIRE_TOKENIZER(tok, "llama3");
+  std::string dir = rig::test::temp_dir("tokenize_cli_bad");
+  rig::write_file_atomic(dir + "/bad.jsonl", "{\"text\": \"ok\"}\n{\"text\": 5}\n");
+  auto r = rig::test::run_rig("tokenize --tokenizer " + cached_tokenizer("llama3"), dir + "/bad.jsonl");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("rig: stdin line 2: field 'text': expected a string"), std::string::npos) << r.out;
+  rig::write_file_atomic(dir + "/bad2.jsonl", "{\"text\": \"ok\"}\n\n{\"text\": \"x\"\n");
+  r = rig::test::run_rig("tokenize --tokenizer " + cached_tokenizer("llama3"), dir + "/bad2.jsonl");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("stdin line 3: not valid JSON"), std::string::npos) << r.out;
+  rig::write_file_atomic(dir + "/bad3.jsonl", "{\"ids\": [1, 99999999]}\n");
+  r = rig::test::run_rig("tokenize --decode --tokenizer " + cached_tokenizer("llama3"), dir + "/bad3.jsonl");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("stdin line 1: decode: id 99999999"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -86,8 +86,20 @@ TEST(Tokenizer, Llama2MatchesHuggingFace) {
   check_references(*tok, fixture);
 }
 
-// Llama 2 has no generated references yet; these ids follow by hand from its vocabulary and the
-// SentencePiece rules (Prepend "▁", spaces to "▁", byte fallback for characters not in the vocab).
+// Random strings built to hit the regex's edge cases (Unicode whitespace such as U+0085 and
+// U+2028, other scripts' digits, combining marks, ZWJ emoji, control characters), with ids from HF
+// tokenizers 0.23 (scripts/make_tokenizer_refs.mjs).
+TEST(Tokenizer, RandomStressMatchesHuggingFace) {
+  for (const char* name : {"llama3", "qwen3", "llama2"}) {
+    const rig::Tokenizer* tok = real(name);
+    if (!tok) GTEST_SKIP() << cached_tokenizer(name) << " is missing: run scripts/fetch-test-assets.sh";
+    SCOPED_TRACE(name);
+    check_references(*tok, rig::test::data_path(std::string("tokenizer/tok_") + name + "_random.json"));
+  }
+}
+
+// Besides the generated references, a few ids that follow by hand from Llama 2's vocabulary and
+// the SentencePiece rules (Prepend "▁", spaces to "▁", byte fallback for characters not in the vocab).
 TEST(Tokenizer, Llama2SentencePieceRules) {
   REQUIRE_TOKENIZER(tok, "llama2");
   auto id = [&](const char* t) { return tok->token_to_id(t); };

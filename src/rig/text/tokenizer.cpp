@@ -129,11 +129,48 @@ using StrMap = std::unordered_map<std::string, V, SvHash, std::equal_to<>>;
 // ---------------------------------------------------------------------------------------------
 // PCRE2 regex with JIT; match data is per thread.
 
+// HF compiles these patterns with Oniguruma, whose \s is Unicode White_Space. PCRE2's \s also
+// takes U+180E (and its \S leaves it out), so \s and \S are spelled out as that set.
+const char* kWhiteSpace =
+    "\\t\\n\\x{0B}\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
+    "\\x{202F}\\x{205F}\\x{3000}";
+
+std::string onig_compatible(const std::string& pat) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < pat.size(); ++i) {
+    char c = pat[i];
+    if (c == '\\' && i + 1 < pat.size()) {
+      char n = pat[i + 1];
+      if (n == 's' || (n == 'S' && !in_class)) {
+        if (!in_class) out += n == 's' ? "[" : "[^";
+        out.append(kWhiteSpace);
+        if (!in_class) out += ']';
+      } else {
+        out.append(pat, i, 2);
+      }  // \S inside a class stays PCRE2's (not used by known files)
+      ++i;
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      if (i + 1 < pat.size() && pat[i + 1] == '^') out += pat[++i];
+      if (i + 1 < pat.size() && pat[i + 1] == ']') out += pat[++i];  // literal ] first
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 class Regex {
  public:
-  Regex(const std::string& pattern, const std::string& where) {
+  Regex(const std::string& pattern_in, const std::string& where) {
     int err;
     PCRE2_SIZE off;
+    std::string pattern = onig_compatible(pattern_in);
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                           PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
     if (!code_) {

@@ -1,0 +1,129 @@
+// A training run's configuration: a YAML file plus `--set key=value` overrides, resolved into one
+// validated struct. Keys follow axolotl/torchtune names; axolotl's flat spellings (base_model,
+// lora_r, learning_rate, ...) are accepted as aliases. Every key is documented in
+// docs/config-reference.md.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace rig {
+
+struct LoraSettings {
+  int64_t r = 16;
+  double alpha = 32.0;
+  double dropout = 0.0;
+  std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  bool rslora = false;  // scale alpha/sqrt(r) instead of alpha/r
+  // alpha / r, or alpha / sqrt(r) with rslora.
+  double scale() const;
+};
+
+struct DatasetSettings {
+  std::string path;
+  std::string format = "alpaca";     // alpaca | chat | text | tokens
+  std::string template_name;         // alpaca | llama3 | chatml; empty for text and tokens
+};
+
+struct OptimizerSettings {
+  std::string name = "adamw";  // adamw | adamw8bit
+  double lr = 2e-4;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool no_decay_on_norms_and_biases = true;
+};
+
+struct ScheduleSettings {
+  std::string name = "cosine";  // constant | linear | cosine
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.0;  // the lr at the end as a fraction of the peak
+  // The learning rate at optimizer step `step` (0-based) of `total` steps.
+  double lr_at(int64_t step, int64_t total, double peak_lr) const;
+};
+
+struct EvalSettings {
+  int64_t every = 0;    // optimizer steps between evaluations; 0: only at the end (if split > 0)
+  double split = 0.0;   // fraction of the data held out for evaluation; 0: no evaluation
+  int64_t batches = 0;  // micro-batches per evaluation; 0: the whole held-out set
+};
+
+struct SaveSettings {
+  int64_t every = 0;      // optimizer steps between checkpoints; 0: only at the end
+  int64_t keep_last = 3;  // complete checkpoints kept; 0: keep all
+};
+
+struct TrainConfig {
+  // Where the weights come from: a pretrained model folder, or random init of an architecture.
+  std::string model;               // HF model folder (config.json + safetensors)
+  std::string init = "pretrained";  // pretrained | random
+  // With init: random, the shape: a built-in name (architecture_name) or an inline HF-style config
+  // (architecture). Both empty: take config.json from `model`.
+  std::string architecture_name;
+  nlohmann::json architecture;  // null or an object
+
+  std::string method = "full";  // full | lora | qlora
+  LoraSettings lora;
+  std::vector<DatasetSettings> datasets;
+  std::string tokenizer;  // tokenizer.json or a folder; empty: the model folder
+  int64_t sequence_len = 2048;
+  bool packing = true;
+  bool train_on_inputs = false;
+
+  int64_t micro_batch_size = 1;
+  int64_t gradient_accumulation_steps = 1;
+  int64_t max_steps = 0;    // 0: run num_epochs
+  double num_epochs = 1.0;  // used when max_steps is 0
+
+  OptimizerSettings optimizer;
+  ScheduleSettings schedule;
+  double max_grad_norm = 1.0;  // 0: no clipping
+
+  std::string precision = "auto";                 // auto | fp32 | bf16 (auto: bf16 on CUDA)
+  std::string activation_checkpointing = "none";  // none | full | selective
+  std::string strategy = "auto";                  // auto | ddp | fsdp (auto: ddp)
+  EvalSettings eval;
+  SaveSettings save;
+  uint64_t seed = 42;
+  std::string device = "auto";  // auto | cpu | cuda | cuda:N
+  uint64_t max_memory = 0;      // bytes per device; 0: no budget
+  std::string output_dir = "runs/run";
+  std::string resume = "auto";  // auto | never | a checkpoint folder
+
+  std::string source;  // the file it was read from (for messages; not part of the hash)
+
+  // The precision actually used on `device_is_cuda` hardware ("fp32" or "bf16").
+  std::string resolved_precision(bool device_is_cuda) const;
+  // The architecture as an HF-style config object (built-in or inline), or null when it comes
+  // from the model folder's config.json.
+  nlohmann::json architecture_json() const;
+
+  nlohmann::json to_json() const;  // every key, canonical names, resolved values
+  nlohmann::ordered_json to_ordered_json() const;  // the same in documentation order
+  std::string to_yaml() const;     // the same, as YAML that load_train_config reads back
+  // XXH3 of the canonical JSON (sorted keys, no `source`): equal configs hash equal across runs.
+  std::string config_hash() const;
+  // Range and consistency checks; throws InputError naming the key.
+  void validate() const;
+};
+
+// Reads `path` (YAML), applies overrides ("lora.r=8", "learning_rate=1e-4"; values parsed as YAML),
+// resolves aliases and validates. Errors name the file, the line and the key, and suggest the
+// closest valid key for a misspelled one.
+TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text; `source` names it in messages.
+TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,
+                               const std::vector<std::string>& overrides = {});
+
+// Built-in architecture shapes for init: random (tiny, llama3-8b, llama3-70b, ...), as HF
+// config.json objects.
+std::vector<std::string> builtin_architecture_names();
+std::optional<nlohmann::json> builtin_architecture(const std::string& name);
+
+// Levenshtein distance, and the candidate closest to `word` (empty if none is close enough).
+size_t edit_distance(const std::string& a, const std::string& b);
+std::string closest_match(const std::string& word, const std::vector<std::string>& candidates);
+
+}  // namespace rig

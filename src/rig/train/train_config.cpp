@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <set>
 
@@ -884,6 +885,15 @@ std::string TrainConfig::config_hash() const {
   j.erase("save");
   std::string s = j.dump();
   return fmt::format("{:016x}", XXH3_64bits(s.data(), s.size()));
+}
+
+void save_run_config(const TrainConfig& c, const std::string& run_dir) {
+  std::filesystem::create_directories(run_dir);
+  std::string head = fmt::format("# resolved by rig from {} (config hash {})\n", c.source, c.config_hash());
+  write_file_atomic(run_dir + "/config.yaml", head + c.to_yaml());
+  nlohmann::ordered_json j = c.to_ordered_json();
+  j["config_hash"] = c.config_hash();
+  write_file_atomic(run_dir + "/config.json", j.dump(1) + "\n");
 }
 
 // ---- built-in shapes ----------------------------------------------------------------

@@ -117,6 +117,10 @@ TrainConfig load_train_config(const std::string& path, const std::vector<std::st
 TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,
                                const std::vector<std::string>& overrides = {});
 
+// Writes the resolved config into a run folder: RUN_DIR/config.yaml and RUN_DIR/config.json
+// (atomically; `rig report` shows the YAML).
+void save_run_config(const TrainConfig& c, const std::string& run_dir);
+
 // Built-in architecture shapes for init: random (tiny, llama3-8b, llama3-70b, ...), as HF
 // config.json objects.
 std::vector<std::string> builtin_architecture_names();

@@ -582,6 +582,7 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
     if (auto x = e.take("split"))
       assign(ctx, "eval.split", *x, [&] { c.eval.split = as_double(ctx, *x); });
     if (auto x = e.take("batches")) c.eval.batches = as_int(ctx, *x);
+    if (auto x = e.take("generate")) c.eval.generate = as_int(ctx, *x);
     e.finish();
   }
   if (auto v = r.take("eval_steps"))
@@ -728,6 +729,7 @@ void TrainConfig::validate() const {
   need(eval.split >= 0 && eval.split < 1, "eval.split",
        "(val_set_size) must be a fraction in [0, 1)", fmt::format("{}", eval.split));
   need(eval.batches >= 0, "eval.batches", "must be 0 or more", std::to_string(eval.batches));
+  need(eval.generate >= 0, "eval.generate", "must be 0 or more", std::to_string(eval.generate));
   if (eval.every > 0 && eval.split == 0)
     bad_input("{}: 'eval.every' is {} but nothing is held out: set 'eval.split' (e.g. 0.05)", s,
               eval.every);
@@ -807,7 +809,7 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
   j["precision"] = precision;
   j["activation_checkpointing"] = activation_checkpointing;
   j["strategy"] = strategy;
-  j["eval"] = {{"every", eval.every}, {"split", eval.split}, {"batches", eval.batches}};
+  j["eval"] = {{"every", eval.every}, {"split", eval.split}, {"batches", eval.batches}, {"generate", eval.generate}};
   j["save"] = {{"every", save.every}, {"keep_last", save.keep_last}};
   j["seed"] = seed;
   j["device"] = device;

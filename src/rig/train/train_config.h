@@ -48,6 +48,7 @@ struct EvalSettings {
   int64_t every = 0;    // optimizer steps between evaluations; 0: only at the end (if split > 0)
   double split = 0.0;   // fraction of the data held out for evaluation; 0: no evaluation
   int64_t batches = 0;  // micro-batches per evaluation; 0: the whole held-out set
+  int64_t generate = 0;  // held-out samples generated greedily at the end for exact-match accuracy
 };
 
 struct SaveSettings {

@@ -1,0 +1,71 @@
+// rig train CONFIG.yaml [--set key=value ...] [--output DIR] | rig train --resume RUN_DIR
+#include <csignal>
+#include <filesystem>
+#include <unistd.h>
+
+#include "command.h"
+#include "rig/train/trainer.h"
+
+namespace {
+
+std::atomic<int> g_signals{0};
+
+// The first SIGINT/SIGTERM asks the loop to checkpoint and stop; a second one exits at once
+// (every file write is atomic, so nothing is left half-written).
+void on_signal(int sig) {
+  if (g_signals.fetch_add(1) > 0) _exit(128 + sig);
+}
+
+struct Opts {
+  std::string config, output, resume;
+  std::vector<std::string> set;
+  bool quiet = false;
+};
+
+int run(const Opts& o) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> overrides = o.set;
+  std::string config = o.config;
+  if (!o.resume.empty()) {
+    if (!config.empty()) rig::bad_input("give either CONFIG or --resume RUN_DIR, not both");
+    config = (fs::path(o.resume) / "config.yaml").string();
+    if (!fs::exists(config)) rig::bad_input("{}: not a run folder (no config.yaml)", o.resume);
+    overrides.push_back("output_dir=" + o.resume);
+    overrides.push_back("resume=auto");
+  } else if (config.empty()) {
+    rig::bad_input("rig train needs a CONFIG file (or --resume RUN_DIR)");
+  }
+  if (!o.output.empty()) overrides.push_back("output_dir=" + o.output);
+  rig::TrainConfig cfg = rig::load_train_config(config, overrides);
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  rig::TrainHooks hooks;
+  hooks.should_stop = [] { return g_signals.load() > 0; };
+  hooks.quiet = o.quiet;
+  rig::TrainResult r = rig::train(cfg, hooks);
+  if (r.interrupted) {
+    fmt::print(stderr, "stopped at step {}; continue with: rig train --resume {}\n", r.steps, cfg.output_dir);
+    return 130;
+  }
+  fmt::print("trained {} steps; final loss {:.4f}", r.steps, r.final_loss);
+  if (r.eval_loss >= 0) fmt::print(", held-out loss {:.4f}", r.eval_loss);
+  fmt::print("\n");
+  if (r.exact_match >= 0) {
+    fmt::print("held-out exact match: {:.1f}%\n", 100 * r.exact_match);
+    for (const auto& s : r.samples) fmt::print("  {}\n", s);
+  }
+  fmt::print("result: {}\n", r.output);
+  return 0;
+}
+
+rig::cli::Registrar reg("train", "Train a model (full or LoRA) from a YAML config", [](CLI::App& app) {
+  auto o = std::make_shared<Opts>();
+  app.add_option("config", o->config, "training config (YAML)");
+  app.add_option("--set", o->set, "override a key: --set lora.r=8 (repeatable)");
+  app.add_option("--output", o->output, "run folder (overrides output_dir)");
+  app.add_option("--resume", o->resume, "continue the run in this folder from its last checkpoint");
+  app.add_flag("--quiet", o->quiet, "no progress display");
+  return [o] { return run(*o); };
+});
+
+}  // namespace

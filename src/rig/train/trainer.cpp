@@ -1,0 +1,425 @@
+#include "rig/train/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <random>
+
+#include "rig/core/allocator.h"
+#include "rig/data/loader.h"
+#include "rig/data/records.h"
+#include "rig/io/atomic_file.h"
+#include "rig/optim/adamw.h"
+#include "rig/train/checkpoint.h"
+#include "rig/train/metrics.h"
+#include "rig/train/progress.h"
+
+namespace rig {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string tokenizer_path(const TrainConfig& cfg) {
+  std::string p = cfg.tokenizer.empty() ? cfg.model : cfg.tokenizer;
+  if (p.empty()) bad_input("{}: no tokenizer: set 'tokenizer' (a tokenizer.json or a model folder)", cfg.source);
+  if (fs::is_directory(p)) p = (fs::path(p) / "tokenizer.json").string();
+  if (!fs::exists(p)) bad_input("{}: tokenizer file {} does not exist", cfg.source, p);
+  return p;
+}
+
+TokenBatch to_token_batch(const Batch& b) {
+  return TokenBatch{b.input_ids, b.labels, b.position_ids, b.segment_ids};
+}
+
+int64_t real_tokens(const Batch& b) {
+  int64_t n = 0;
+  const int64_t* s = b.segment_ids.data<int64_t>();
+  for (int64_t i = 0; i < b.segment_ids.numel(); ++i) n += s[i] != 0;
+  return n;
+}
+
+struct Data {
+  std::shared_ptr<const TokenDataset> train, eval;
+  RenderStats stats;
+};
+
+Data load_data(const TrainConfig& cfg, const Tokenizer& tok) {
+  if (cfg.datasets.empty()) bad_input("{}: no datasets configured", cfg.source);
+  std::vector<Sample> all;
+  Data d;
+  for (const auto& ds : cfg.datasets) {
+    RenderOptions ro;
+    ro.format = parse_data_format(ds.format.empty() ? "auto" : ds.format);
+    ro.chat = parse_chat_template(ds.template_name.empty() || ds.template_name == "alpaca"
+                                      ? "auto" : ds.template_name);
+    ro.train_on_all = cfg.train_on_inputs;
+    RenderStats st;
+    auto s = load_samples(ds.path, &tok, ro, &st);
+    d.stats.records += st.records;
+    d.stats.samples += st.samples;
+    d.stats.tokens += st.tokens;
+    d.stats.trained_tokens += st.trained_tokens;
+    all.insert(all.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
+  }
+  if (all.empty()) bad_input("{}: the datasets hold no samples", cfg.source);
+  // Held-out split: a seeded shuffle, the last fraction kept for evaluation.
+  std::vector<size_t> idx(all.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::mt19937_64 rng(cfg.seed ^ 0x5eedull);
+  std::shuffle(idx.begin(), idx.end(), rng);
+  size_t n_eval = cfg.eval.split > 0 ? std::max<size_t>(1, size_t(std::llround(cfg.eval.split * double(all.size())))) : 0;
+  if (n_eval >= all.size()) bad_input("{}: eval.split {} leaves no training samples", cfg.source, cfg.eval.split);
+  std::vector<Sample> tr, ev;
+  for (size_t i = 0; i < idx.size(); ++i) (i < idx.size() - n_eval ? tr : ev).push_back(std::move(all[idx[i]]));
+  d.train = std::make_shared<const TokenDataset>(TokenDataset::from_samples(tr));
+  if (!ev.empty()) d.eval = std::make_shared<const TokenDataset>(TokenDataset::from_samples(ev));
+  return d;
+}
+
+int64_t planned_steps(const TrainConfig& cfg, const TokenDataset& data) {
+  if (cfg.max_steps > 0) return cfg.max_steps;
+  double rows = cfg.packing ? std::ceil(double(data.num_tokens()) / double(cfg.sequence_len))
+                            : double(data.size());
+  double per_step = double(cfg.micro_batch_size * cfg.gradient_accumulation_steps);
+  return std::max<int64_t>(1, int64_t(std::ceil(cfg.num_epochs * rows / per_step)));
+}
+
+uint64_t step_seed(uint64_t seed, int64_t step, int64_t micro) {
+  uint64_t x = seed + 0x9E3779B97F4A7C15ull * uint64_t(step * 1024 + micro + 1);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  return (x ^ (x >> 27)) | 1;  // never 0: 0 means "no dropout"
+}
+
+// A config's identity for resuming: where it resumes from does not change what it trains.
+std::string resume_hash(TrainConfig c) {
+  c.resume = "auto";
+  return c.config_hash();
+}
+
+std::string describe(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  std::string s = tok.decode(ids, DecodeOptions{true});
+  std::string out;
+  for (char ch : s) {
+    if (ch == '\n') {
+      if (!out.empty() && out.back() != ' ') out += ' ';
+    } else {
+      out += ch;
+    }
+  }
+  while (!out.empty() && out.back() == ' ') out.pop_back();
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
+  std::unique_ptr<LlamaModel> m;
+  if (cfg.init == "random") {
+    json arch = cfg.architecture_json();
+    if (arch.is_null()) {
+      if (cfg.model.empty()) bad_input("{}: init: random needs 'architecture' or a model folder with config.json", cfg.source);
+      m = LlamaModel::random(ModelConfig::load(cfg.model), cfg.seed);
+    } else {
+      m = LlamaModel::random(ModelConfig::from_json(arch, cfg.source + " architecture"), cfg.seed);
+    }
+  } else {
+    if (cfg.model.empty()) bad_input("{}: set 'model' to a Hugging Face model folder", cfg.source);
+    m = LlamaModel::load(cfg.model);
+  }
+  if (cfg.method == "qlora")
+    bad_input("{}: method qlora needs NF4 weights, which rig does not implement yet; use lora", cfg.source);
+  if (cfg.method == "lora") {
+    LoraConfig lc;
+    lc.r = int(cfg.lora.r);
+    lc.alpha = float(cfg.lora.alpha);
+    lc.dropout = float(cfg.lora.dropout);
+    lc.rslora = cfg.lora.rslora;
+    lc.targets = cfg.lora.targets;
+    m->add_lora(lc, cfg.seed + 1);
+  }
+  return m;
+}
+
+std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+                              const GenerateOptions& opt) {
+  RIG_CHECK(!prompt.empty(), "generate needs a non-empty prompt");
+  auto cache = model.new_cache(int64_t(prompt.size()) + opt.max_new_tokens + 1);
+  std::vector<float> logits = model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
+  std::mt19937_64 rng(opt.seed);
+  std::vector<int32_t> out;
+  for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
+    int32_t next = 0;
+    if (opt.temperature <= 0) {
+      next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {
+      // Softmax with temperature, then nucleus (top-p) sampling.
+      std::vector<std::pair<float, int32_t>> p;
+      float mx = *std::max_element(logits.begin(), logits.end());
+      double sum = 0;
+      for (size_t i = 0; i < logits.size(); ++i) {
+        float e = std::exp((logits[i] - mx) / opt.temperature);
+        p.emplace_back(e, int32_t(i));
+        sum += e;
+      }
+      std::sort(p.begin(), p.end(), std::greater<>());
+      double keep = 0;
+      size_t k = 0;
+      while (k < p.size() && keep < opt.top_p * sum) keep += p[k++].first;
+      std::uniform_real_distribution<double> u(0, keep);
+      double r = u(rng), acc = 0;
+      next = p[k - 1].second;
+      for (size_t i = 0; i < k; ++i)
+        if ((acc += p[i].first) >= r) {
+          next = p[i].second;
+          break;
+        }
+    }
+    out.push_back(next);
+    if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) break;
+    logits = model.decode(cache, {next});
+  }
+  return out;
+}
+
+EvalResult evaluate(LlamaModel& model, const TokenDataset& data, int64_t seq_len,
+                    int64_t micro_batch, int64_t max_batches) {
+  EvalResult r;
+  auto shared = std::shared_ptr<const TokenDataset>(&data, [](const TokenDataset*) {});
+  LoaderOptions lo;
+  lo.seq_len = seq_len;
+  lo.micro_batch = micro_batch;
+  lo.pack = false;
+  DataLoader loader(shared, lo);
+  // One pass over the held-out samples (the last batch may repeat a few from the start).
+  const int64_t batches = (int64_t(loader.samples_per_epoch()) + micro_batch - 1) / micro_batch;
+  double loss_sum = 0;
+  StepOptions so;
+  so.backward = false;
+  for (int64_t i = 0; i < batches && (max_batches <= 0 || i < max_batches); ++i) {
+    auto res = model.step(to_token_batch(loader.next()), so);
+    loss_sum += res.loss_sum;
+    r.tokens += res.tokens;
+  }
+  r.loss = r.tokens ? loss_sum / double(r.tokens) : 0;
+  return r;
+}
+
+EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokenizer& tok, int64_t n,
+                       int64_t show) {
+  EvalResult r;
+  int64_t done = 0, hits = 0;
+  for (size_t i = 0; i < data.size() && done < n; ++i) {
+    auto ids = data.ids(i);
+    auto train = data.train(i);
+    size_t f = 0;
+    while (f < train.size() && !train[f]) ++f;
+    if (f == 0 || f == train.size()) continue;
+    size_t e = f;
+    while (e < train.size() && train[e]) ++e;
+    std::vector<int32_t> prompt(ids.begin(), ids.begin() + long(f)), want(ids.begin() + long(f), ids.begin() + long(e));
+    GenerateOptions go;
+    go.max_new_tokens = int64_t(want.size());
+    go.stop_ids = {want.back()};
+    auto got = generate(model, prompt, go);
+    bool ok = got == want;
+    hits += ok;
+    ++done;
+    if (int64_t(r.samples.size()) < show)
+      r.samples.push_back(fmt::format("{} -> {} ({})", describe(tok, prompt), describe(tok, got),
+                                      ok ? "correct" : "expected " + describe(tok, want)));
+  }
+  r.exact_match = done ? double(hits) / double(done) : -1;
+  return r;
+}
+
+TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
+  TrainConfig cfg = cfg_in;
+  cfg.validate();
+  if (cfg.device != "auto" && cfg.device != "cpu")
+    bad_input("{}: device '{}': this build trains on the CPU only (the CUDA trainer is not wired yet)",
+              cfg.source, cfg.device);
+  if (cfg.max_memory) cpu_allocator().set_budget(cpu_allocator().in_use() + cfg.max_memory);
+  const std::string run = cfg.output_dir;
+  fs::create_directories(run);
+
+  // Resume from the newest complete checkpoint when asked (or automatically when one exists).
+  std::optional<LoadedCheckpoint> ckpt;
+  if (cfg.resume != "never") {
+    if (cfg.resume != "auto") {
+      ckpt = load_checkpoint(cfg.resume);
+    } else if (auto latest = latest_checkpoint(run)) {
+      ckpt = load_checkpoint(latest->dir);
+    }
+  } else if (!list_checkpoints(run).empty()) {
+    bad_input("{}: {} already holds checkpoints; use resume: auto to continue it or another output_dir",
+              cfg.source, run);
+  }
+  if (ckpt && ckpt->state.value("config_hash", "") != resume_hash(cfg))
+    bad_input("{}: the configuration differs from the one that wrote {}; resume with the run's own "
+              "config.yaml or start a new output_dir", cfg.source, ckpt->dir);
+  write_file_atomic((fs::path(run) / "config.yaml").string(), cfg.to_yaml());
+
+  Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
+  Data data = load_data(cfg, tok);
+  auto model = build_model(cfg);
+  if (tok.vocab_size() > model->config().vocab_size)
+    bad_input("{}: the tokenizer has {} tokens but the model's vocabulary is {}", cfg.source,
+              tok.vocab_size(), model->config().vocab_size);
+
+  OptimizerConfig oc;
+  oc.lr = float(cfg.optimizer.lr);
+  oc.beta1 = float(cfg.optimizer.beta1);
+  oc.beta2 = float(cfg.optimizer.beta2);
+  oc.eps = float(cfg.optimizer.eps);
+  oc.weight_decay = float(cfg.optimizer.weight_decay);
+  oc.max_grad_norm = float(cfg.max_grad_norm);
+  oc.no_decay_on_norms_and_biases = cfg.optimizer.no_decay_on_norms_and_biases;
+  if (cfg.optimizer.name != "adamw")
+    bad_input("{}: optimizer '{}' is not implemented yet (use adamw)", cfg.source, cfg.optimizer.name);
+  AdamW opt(oc);
+
+  LoaderOptions lo;
+  lo.seq_len = cfg.sequence_len;
+  lo.micro_batch = cfg.micro_batch_size;
+  lo.pack = cfg.packing;
+  lo.seed = cfg.seed;
+  DataLoader loader(data.train, lo);
+  const int64_t total = planned_steps(cfg, *data.train);
+  int64_t step = 0;
+  if (ckpt) {
+    std::map<std::string, Tensor> state;
+    for (auto& [name, t] : ckpt->tensors) state[name] = t;
+    for (auto& p : model->params()) {
+      if (!p.trainable) continue;
+      auto it = state.find("param." + p.name);
+      if (it == state.end()) bad_input("{}: checkpoint has no tensor 'param.{}'", ckpt->dir, p.name);
+      p.value.copy_from(it->second);
+    }
+    opt.load_state(state, ckpt->state.at("optimizer_step").get<int64_t>());
+    loader.restore(LoaderState::from_json(ckpt->state.at("loader")));
+    step = ckpt->state.at("step").get<int64_t>();
+  }
+
+  MetricsWriter metrics(run, ckpt ? step : -1);
+  metrics.note(fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
+                           "({} tokens), {} held out",
+                           ckpt ? "resuming" : "starting", cfg.method, step, total,
+                           model->num_parameters(false), model->num_parameters(true),
+                           data.train->size(), data.train->num_tokens(),
+                           data.eval ? data.eval->size() : 0));
+  std::unique_ptr<Progress> progress;
+  if (!hooks.quiet) progress = std::make_unique<Progress>(total, step);
+  auto say = [&](const std::string& s) {
+    metrics.note(s);
+    if (progress) progress->message(s);
+  };
+  if (ckpt) say(fmt::format("resumed from {} at step {}", ckpt->dir, step));
+
+  const Checkpointing ck = cfg.activation_checkpointing == "none" ? Checkpointing::None : Checkpointing::Full;
+  auto save = [&](int64_t s) {
+    std::vector<std::pair<std::string, Tensor>> ts;
+    for (auto& p : model->params())
+      if (p.trainable) ts.emplace_back("param." + p.name, p.value);
+    for (auto& t : opt.state_tensors()) ts.push_back(t);
+    json st = {{"step", s},
+               {"optimizer_step", opt.steps()},
+               {"loader", loader.state().to_json()},
+               {"config_hash", resume_hash(cfg)},
+               {"seed", cfg.seed},
+               {"lr", cfg.schedule.lr_at(std::max<int64_t>(0, s - 1), total, cfg.optimizer.lr)}};
+    std::string dir = save_checkpoint(run, s, ts, st, cfg.save.keep_last);
+    say(fmt::format("saved checkpoint {}", dir));
+  };
+  auto run_eval = [&](int64_t s) -> double {
+    if (!data.eval) return -1;
+    auto e = evaluate(*model, *data.eval, cfg.sequence_len, cfg.micro_batch_size, cfg.eval.batches);
+    metrics.log_eval(s, e.loss, {{"eval_perplexity", std::exp(e.loss)}});
+    say(fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s, e.loss, std::exp(e.loss), e.tokens));
+    return e.loss;
+  };
+
+  TrainResult result;
+  cpu_allocator().reset_peak();
+  while (step < total) {
+    if (hooks.should_stop && hooks.should_stop()) {
+      save(step);
+      result.interrupted = true;
+      break;
+    }
+    const double t0 = now_s();
+    const float lr = float(cfg.schedule.lr_at(step, total, cfg.optimizer.lr));
+    std::vector<Batch> micro;
+    int64_t trained = 0, tokens = 0;
+    for (int64_t k = 0; k < cfg.gradient_accumulation_steps; ++k) {
+      micro.push_back(loader.next());
+      trained += micro.back().trained_tokens;
+      tokens += real_tokens(micro.back());
+    }
+    model->zero_grad();
+    double loss_sum = 0;
+    int64_t loss_tokens = 0;
+    for (size_t k = 0; k < micro.size(); ++k) {
+      StepOptions so;
+      // The mean over every trained token of the accumulated batch, as one big batch would give.
+      so.grad_scale = trained ? 1.0f / float(trained) : 0.0f;
+      so.checkpointing = ck;
+      so.dropout_seed = step_seed(cfg.seed, step, int64_t(k));
+      auto r = model->step(to_token_batch(micro[k]), so);
+      loss_sum += r.loss_sum;
+      loss_tokens += r.tokens;
+    }
+    const double norm = opt.clip_and_step(model->params(), lr);
+    ++step;
+    const double loss = loss_tokens ? loss_sum / double(loss_tokens) : 0;
+    if (!std::isfinite(loss) || !std::isfinite(norm))
+      fail("step {}: loss {} / gradient norm {} is not finite; the last checkpoint is intact", step, loss, norm);
+    StepMetrics m;
+    m.step = step;
+    m.loss = loss;
+    m.lr = lr;
+    m.grad_norm = norm;
+    m.tokens_per_s = double(tokens) / std::max(1e-9, now_s() - t0);
+    m.peak_memory_bytes = cpu_allocator().peak();
+    m.extra["trained_tokens"] = trained;
+    metrics.log(m);
+    if (progress) progress->update(m);
+    result.final_loss = loss;
+    if (cfg.eval.every > 0 && step % cfg.eval.every == 0 && step < total) run_eval(step);
+    if (cfg.save.every > 0 && step % cfg.save.every == 0 && step < total) save(step);
+  }
+  result.steps = step;
+  if (progress) progress->finish();
+  if (result.interrupted) return result;
+
+  save(step);
+  result.eval_loss = run_eval(step);
+  if (data.eval && cfg.eval.generate > 0) {
+    auto em = exact_match(*model, *data.eval, tok, cfg.eval.generate, 5);
+    result.exact_match = em.exact_match;
+    result.samples = em.samples;
+    metrics.log_eval(step, result.eval_loss, {{"eval_exact_match", em.exact_match}});
+    say(fmt::format("held-out exact match: {:.1f}% of {} samples", 100 * em.exact_match,
+                    std::min<int64_t>(cfg.eval.generate, int64_t(data.eval->size()))));
+  }
+  // The result, in the formats other tools load.
+  fs::path out = fs::path(run) / "final";
+  if (model->has_lora()) {
+    model->save_adapter(out.string());
+  } else {
+    model->save_pretrained(out.string());
+    fs::copy_file(tokenizer_path(cfg), out / "tokenizer.json", fs::copy_options::overwrite_existing);
+  }
+  result.output = out.string();
+  say(fmt::format("wrote {} to {}", model->has_lora() ? "the LoRA adapter (PEFT format)" : "the model", out.string()));
+  return result;
+}
+
+}  // namespace rig

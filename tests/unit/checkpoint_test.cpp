@@ -118,6 +118,12 @@ TEST(Checkpoint, KeepLastAndLatest) {
   // Re-saving an existing step (after a rollback) replaces it.
   rig::save_checkpoint(run, 20, small_set(), state_for(20), 2);
   EXPECT_TRUE(rig::verify_checkpoint(run + "/checkpoints/step-20").ok());
+  // After a rollback the checkpoint just written survives keep_last even though it is older.
+  rig::save_checkpoint(run, 17, small_set(), state_for(17), 1);
+  all = rig::list_checkpoints(run);
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].step, 17);
+  rig::save_checkpoint(run, 15, small_set(), state_for(15));
   auto lst = rig::test::run_rig("ckpt list " + run);
   EXPECT_EQ(lst.code, 0);
   EXPECT_NE(lst.out.find("step-15"), std::string::npos) << lst.out;

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "rig/core/error.h"
+#include "rig/io/atomic_file.h"
 #include "rig/model/config.h"
 #include "test_util.h"
 
@@ -342,6 +343,42 @@ TEST(TrainConfig, EditDistance) {
   EXPECT_EQ(rig::edit_distance("kitten", "sitting"), 3u);
   EXPECT_EQ(rig::closest_match("micro_batch", {"micro_batch_size", "seed"}), "micro_batch_size");
   EXPECT_EQ(rig::closest_match("zzzzzz", {"seed", "model"}), "");
+}
+
+}  // namespace
+
+namespace {
+
+void flatten(const nlohmann::json& j, const std::string& prefix, std::vector<std::string>& out) {
+  if (j.is_object() && prefix != "architecture") {
+    for (auto& [k, v] : j.items()) flatten(v, prefix.empty() ? k : prefix + "." + k, out);
+  } else if (j.is_array() && !j.empty() && j[0].is_object()) {
+    out.push_back(prefix);
+    flatten(j[0], prefix + ".N", out);
+  } else {
+    out.push_back(prefix);
+  }
+}
+
+// Every key of the resolved config is documented in docs/config-reference.md.
+TEST(TrainConfig, ReferenceDocumentsEveryKey) {
+  TrainConfig c = parse_train_config(kMinimal, "cfg.yaml");
+  std::vector<std::string> keys;
+  flatten(c.to_json(), "", keys);
+  std::string doc = rig::read_file(std::string(RIG_SOURCE_DIR) + "/docs/config-reference.md");
+  for (const auto& k : keys) EXPECT_NE(doc.find("`" + k + "`"), std::string::npos) << k;
+  EXPECT_GE(keys.size(), 30u);
+}
+
+TEST(TrainConfig, SaveRunConfigWritesBothForms) {
+  std::string run = rig::test::temp_dir("run_config");
+  TrainConfig c = parse_train_config(kMinimal, "cfg.yaml");
+  rig::save_run_config(c, run);
+  TrainConfig back = rig::load_train_config(run + "/config.yaml");
+  EXPECT_EQ(back.config_hash(), c.config_hash());
+  auto j = nlohmann::json::parse(rig::read_file(run + "/config.json"));
+  EXPECT_EQ(j["config_hash"], c.config_hash());
+  EXPECT_EQ(j["model"], "/models/llama3-8b");
 }
 
 }  // namespace

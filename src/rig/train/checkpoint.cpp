@@ -222,8 +222,14 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
     if (n.rfind(".step-", 0) == 0 && e.is_directory()) fs::remove_all(e.path(), ec);
   }
   if (keep_last > 0) {
+    // Oldest first, never the one just written (after a rollback it may not be the newest).
     auto all = list_checkpoints(run_dir);
-    for (size_t i = 0; i + size_t(keep_last) < all.size(); ++i) remove_checkpoint_dir(all[i].dir);
+    size_t excess = all.size() > size_t(keep_last) ? all.size() - size_t(keep_last) : 0;
+    for (size_t i = 0; i < all.size() && excess > 0; ++i) {
+      if (all[i].step == step) continue;
+      remove_checkpoint_dir(all[i].dir);
+      --excess;
+    }
     fsync_dir(root.string());
   }
   return final_dir.string();

@@ -1,0 +1,68 @@
+#include "rig/dist/communicator.h"
+
+#include <exception>
+
+namespace rig::dist {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+  }
+  return "?";
+}
+
+const char* backend_name(Backend b) { return b == Backend::Gloo ? "gloo" : "nccl"; }
+
+Backend parse_backend(std::string_view s) {
+  if (s == "gloo") return Backend::Gloo;
+  if (s == "nccl") return Backend::Nccl;
+  bad_input("unknown communication backend '{}' (expected gloo or nccl)", s);
+}
+
+double busbw_factor(std::string_view op, int world) {
+  double n = world;
+  if (op == "all_reduce") return 2.0 * (n - 1) / n;
+  if (op == "reduce_scatter" || op == "all_gather") return (n - 1) / n;
+  if (op == "broadcast") return 1.0;
+  bad_input("unknown collective '{}'", op);
+}
+
+#ifndef RIG_WITH_NCCL
+bool nccl_built() { return false; }
+std::unique_ptr<Communicator> make_nccl(std::shared_ptr<Store>, int, int, int, const CommOptions&) {
+  fail("this rig was built without NCCL (configure with CUDA and NCCL present); use --backend gloo");
+}
+#endif
+
+Backend default_backend() { return nccl_built() && cuda_available() ? Backend::Nccl : Backend::Gloo; }
+
+Group::~Group() {
+  comm.reset();
+  store.reset();  // goodbye, or (when unwinding) the mark that this rank is gone
+  // Rank 0 hosts the store: keep it up until the others have left, so they can still learn
+  // which rank failed.
+  if (server) server->wait_idle(std::chrono::duration_cast<Millis>(std::chrono::seconds(30)));
+}
+
+std::unique_ptr<Group> init_group(const DistEnv& env, Backend backend, const CommOptions& opts) {
+  set_current_rank(env.rank);
+  auto g = std::make_unique<Group>();
+  g->env = env;
+  if (env.rank == 0) g->server = std::make_shared<StoreServer>(env.master_port);
+  int port = g->server ? g->server->port() : env.master_port;
+  g->store = std::make_shared<Store>(env.master_addr, port, env.rank, opts.timeout);
+  try {
+    g->store->join(env.world, opts.timeout);
+  } catch (const Error& e) {
+    fail("rank {}: rendezvous at {} failed: {}", env.rank, g->store->address(), e.what());
+  }
+  if (backend == Backend::Nccl)
+    g->comm = make_nccl(g->store, env.rank, env.world, env.local_rank, opts);
+  else
+    g->comm = make_gloo(g->store, env.rank, env.world, opts);
+  return g;
+}
+
+}  // namespace rig::dist

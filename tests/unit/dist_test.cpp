@@ -1,0 +1,402 @@
+// Distributed layer on CPU: environment parsing, the rendezvous store, Gloo collectives over
+// 127.0.0.1 on 1..4 ranks (threads), bucketing and sharding helpers, and the launcher with real
+// processes (including a killed worker).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <thread>
+
+#include "rig/dist/communicator.h"
+#include "rig/dist/env.h"
+#include "rig/dist/store.h"
+#include "test_util.h"
+
+using namespace rig;
+using namespace rig::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Runs fn(rank, comm) on `world` threads, each with its own store client and Gloo communicator.
+void run_ranks(int world, const std::function<void(int, Communicator&)>& fn, Millis timeout = 20s) {
+  StoreServer server(0);
+  std::vector<std::thread> ts;
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; r++) {
+    ts.emplace_back([&, r] {
+      try {
+        auto store = std::make_shared<Store>("127.0.0.1", server.port(), r, timeout);
+        CommOptions o;
+        o.timeout = timeout;
+        auto comm = make_gloo(store, r, world, o);
+        fn(r, *comm);
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; r++) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
+}
+
+std::vector<float> values(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+}  // namespace
+
+// ---- environment --------------------------------------------------------------------------
+
+TEST(DistEnv, DefaultIsAWorldOfOne) {
+  auto d = parse_env({});
+  EXPECT_EQ(d.rank, 0);
+  EXPECT_EQ(d.world, 1);
+  EXPECT_EQ(d.source, "default");
+}
+
+TEST(DistEnv, Torchrun) {
+  auto d = parse_env({{"RANK", "5"}, {"LOCAL_RANK", "1"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"},
+                      {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"}, {"GROUP_RANK", "1"}});
+  EXPECT_EQ(d.source, "torchrun");
+  EXPECT_EQ(d.rank, 5);
+  EXPECT_EQ(d.local_rank, 1);
+  EXPECT_EQ(d.world, 8);
+  EXPECT_EQ(d.local_world, 4);
+  EXPECT_EQ(d.node_rank, 1);
+  EXPECT_EQ(d.nnodes, 2);
+  EXPECT_EQ(d.master_addr, "10.0.0.1");
+  EXPECT_EQ(d.master_port, 29400);
+}
+
+TEST(DistEnv, TorchrunErrorsNameTheVariable) {
+  try {
+    parse_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}});
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_ADDR"), std::string::npos) << e.what();
+  }
+  try {
+    parse_env({{"RANK", "x1"}, {"WORLD_SIZE", "2"}});
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK='x1'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_env({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}),
+               InputError);
+}
+
+TEST(DistEnv, Slurm) {
+  auto d = parse_env({{"SLURM_PROCID", "6"}, {"SLURM_LOCALID", "2"}, {"SLURM_NTASKS", "8"},
+                      {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_NODEID", "1"}, {"SLURM_NNODES", "2"},
+                      {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "12345"}});
+  EXPECT_EQ(d.source, "slurm");
+  EXPECT_EQ(d.rank, 6);
+  EXPECT_EQ(d.local_rank, 2);
+  EXPECT_EQ(d.world, 8);
+  EXPECT_EQ(d.local_world, 4);
+  EXPECT_EQ(d.node_rank, 1);
+  EXPECT_EQ(d.nnodes, 2);
+  EXPECT_EQ(d.master_addr, "gpu07");
+  EXPECT_EQ(d.master_port, 20000 + 12345 % 20000);
+}
+
+TEST(DistEnv, SlurmTasksPerNodeForm) {
+  auto d = parse_env({{"SLURM_PROCID", "4"}, {"SLURM_LOCALID", "0"}, {"SLURM_NTASKS", "5"},
+                      {"SLURM_TASKS_PER_NODE", "2(x2),1"}, {"SLURM_NODEID", "2"},
+                      {"SLURM_NODELIST", "a,b,c"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(d.local_world, 1);
+  EXPECT_EQ(d.master_addr, "a");
+  EXPECT_EQ(d.master_port, 1234);
+  EXPECT_EQ(expand_tasks_per_node("2(x3),1"), (std::vector<int>{2, 2, 2, 1}));
+}
+
+TEST(DistEnv, TorchrunWinsOverSlurm) {
+  auto d = parse_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"RANK", "3"}, {"WORLD_SIZE", "4"},
+                      {"MASTER_ADDR", "h"}, {"MASTER_PORT", "5"}});
+  EXPECT_EQ(d.source, "torchrun");
+  EXPECT_EQ(d.rank, 3);
+}
+
+TEST(DistEnv, OpenMpi) {
+  auto d = parse_env({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  EXPECT_EQ(d.source, "openmpi");
+  EXPECT_EQ(d.rank, 3);
+  EXPECT_EQ(d.world, 4);
+  EXPECT_EQ(d.local_rank, 3);
+  EXPECT_EQ(d.local_world, 4);
+  EXPECT_EQ(d.nnodes, 1);
+  EXPECT_EQ(d.master_addr, "127.0.0.1");
+  // Several nodes: rank 0's host must be given.
+  EXPECT_THROW(parse_env({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                          {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}),
+               InputError);
+}
+
+TEST(DistEnv, ExpandNodelist) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(expand_nodelist("node[01-04,07]"), (V{"node01", "node02", "node03", "node04", "node07"}));
+  EXPECT_EQ(expand_nodelist("a,b[8-10],c"), (V{"a", "b8", "b9", "b10", "c"}));
+  EXPECT_EQ(expand_nodelist("gpu-a"), (V{"gpu-a"}));
+  EXPECT_EQ(expand_nodelist("r[1-2]-n[1-2]"), (V{"r1-n1", "r1-n2", "r2-n1", "r2-n2"}));
+  EXPECT_EQ(expand_nodelist("x[098-101]"), (V{"x098", "x099", "x100", "x101"}));
+  EXPECT_THROW(expand_nodelist("node[01-04"), InputError);
+  EXPECT_THROW(expand_nodelist("node[4-1]"), InputError);
+  EXPECT_THROW(expand_nodelist("node[a-b]"), InputError);
+}
+
+// ---- store --------------------------------------------------------------------------------
+
+TEST(DistStore, SetGetAddCheck) {
+  StoreServer server(0);
+  Store a("127.0.0.1", server.port(), -1, 5s), b("127.0.0.1", server.port(), -1, 5s);
+  a.set("k", std::string("v\0x", 3));
+  EXPECT_EQ(b.get("k"), std::string("v\0x", 3));
+  EXPECT_EQ(a.add("n", 2), 2);
+  EXPECT_EQ(b.add("n", 3), 5);
+  EXPECT_TRUE(a.check({"k", "n"}));
+  EXPECT_FALSE(a.check({"k", "missing"}));
+}
+
+TEST(DistStore, GetWaitsForALaterSet) {
+  StoreServer server(0);
+  Store a("127.0.0.1", server.port(), -1, 5s);
+  std::thread t([&] {
+    Store b("127.0.0.1", server.port(), -1, 5s);
+    std::this_thread::sleep_for(100ms);
+    b.set("late", "yes");
+  });
+  EXPECT_EQ(a.get("late"), "yes");
+  t.join();
+}
+
+TEST(DistStore, WaitTimesOutNamingTheMissingKeys) {
+  StoreServer server(0);
+  Store a("127.0.0.1", server.port(), -1, 5s);
+  a.set("here", "1");
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    a.wait({"here", "never"}, 200ms);
+    FAIL();
+  } catch (const StoreTimeout& e) {
+    EXPECT_EQ(e.missing, std::vector<std::string>{"never"});
+    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+}
+
+TEST(DistStore, NoServerFailsWithinTheTimeout) {
+  int port;
+  {
+    StoreServer s(0);
+    port = s.port();
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    Store a("127.0.0.1", port, 1, 300ms);
+    FAIL();
+  } catch (const PeerGone& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+}
+
+TEST(DistStore, JoinNamesTheRanksThatNeverCame) {
+  StoreServer server(0);
+  Store r0("127.0.0.1", server.port(), 0, 5s), r2("127.0.0.1", server.port(), 2, 5s);
+  try {
+    r0.join(4, 200ms);
+    FAIL();
+  } catch (const StoreTimeout& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 1, 3 did not connect"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DistStore, ADeadRankEndsWaitsWithItsName) {
+  StoreServer server(0);
+  Store r0("127.0.0.1", server.port(), 0, 10s);
+  std::thread t([&] {
+    std::this_thread::sleep_for(100ms);
+    try {
+      Store r2("127.0.0.1", server.port(), 2, 10s);
+      throw std::runtime_error("die");  // unwinding: no goodbye, so rank 2 counts as gone
+    } catch (const std::runtime_error&) {
+    }
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    r0.wait({"never"}, 10s);
+    FAIL();
+  } catch (const PeerGone& e) {
+    EXPECT_EQ(e.ranks, (std::vector<int>{2}));
+    EXPECT_NE(std::string(e.what()).find("rank 2 exited"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  t.join();
+  // A rank that fails because of another is listed after the causes, even when it left first.
+  StoreServer s2(0);
+  Store q0("127.0.0.1", s2.port(), 0, 10s);
+  {
+    Store q1("127.0.0.1", s2.port(), 1, 10s);
+    q1.mark_failed();
+  }
+  EXPECT_EQ(q0.dead_ranks(5s), (std::vector<int>{1}));
+  try {
+    Store q3("127.0.0.1", s2.port(), 3, 10s);
+    throw std::runtime_error("die");
+  } catch (const std::runtime_error&) {
+  }
+  for (int i = 0; i < 100 && q0.dead_ranks(0ms).size() < 2; i++) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(q0.dead_ranks(0ms), (std::vector<int>{3, 1}));
+  // A clean goodbye is not a death.
+  { Store q4("127.0.0.1", s2.port(), 4, 10s); }
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(q0.dead_ranks(0ms), (std::vector<int>{3, 1}));
+}
+
+TEST(DistStore, BarrierAcrossThreads) {
+  StoreServer server(0);
+  std::atomic<int> before{0};
+  std::vector<std::thread> ts;
+  std::atomic<bool> ok{true};
+  for (int r = 0; r < 4; r++)
+    ts.emplace_back([&, r] {
+      Store s("127.0.0.1", server.port(), r, 5s);
+      for (int round = 0; round < 3; round++) {
+        before++;
+        s.barrier(4);
+        if (before.load() < 4 * (round + 1)) ok = false;
+        s.barrier(4);
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_TRUE(ok);
+}
+
+// ---- Gloo collectives ---------------------------------------------------------------------
+
+class GlooWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooWorld, AllReduceSumAvgMax) {
+  int world = GetParam();
+  run_ranks(world, [world](int r, Communicator& c) {
+    EXPECT_EQ(c.rank(), r);
+    EXPECT_EQ(c.world(), world);
+    for (int64_t n : {1, 7, 989, 300001}) {
+      auto t = Tensor::empty({n}, DType::F32);
+      for (int64_t i = 0; i < n; i++) t.f32()[i] = float(r + 1) * float(i % 13);
+      c.all_reduce(t, ReduceOp::Sum);
+      float ranks_sum = float(world * (world + 1) / 2);
+      for (int64_t i = 0; i < n; i++) ASSERT_EQ(t.f32()[i], ranks_sum * float(i % 13)) << n << " " << i;
+      for (int64_t i = 0; i < n; i++) t.f32()[i] = float(r + 1) * float(i % 13);
+      c.all_reduce(t, ReduceOp::Avg);
+      for (int64_t i = 0; i < n; i++) ASSERT_FLOAT_EQ(t.f32()[i], ranks_sum / float(world) * float(i % 13));
+      for (int64_t i = 0; i < n; i++) t.f32()[i] = (i + r) % world == 0 ? 100.0f + float(r) : -float(r);
+      c.all_reduce(t, ReduceOp::Max);
+      for (int64_t i = 0; i < n; i++) {
+        int hot = int((world - i % world) % world);  // the rank r with (i + r) % world == 0
+        ASSERT_EQ(t.f32()[i], 100.0f + float(hot)) << i;
+      }
+    }
+  });
+}
+
+TEST_P(GlooWorld, ReduceScatter) {
+  int world = GetParam();
+  run_ranks(world, [world](int r, Communicator& c) {
+    for (int64_t block : {1, 5, 111, 70000}) {
+      auto in = Tensor::empty({block * world}, DType::F32);
+      for (int64_t i = 0; i < in.numel(); i++) in.f32()[i] = float(i) + 1000.0f * float(r);
+      auto out = Tensor::empty({block}, DType::F32);
+      c.reduce_scatter(in, out, ReduceOp::Sum);
+      float rank_sum = 1000.0f * float(world * (world - 1) / 2);
+      for (int64_t j = 0; j < block; j++)
+        ASSERT_EQ(out.f32()[j], float(world) * float(r * block + j) + rank_sum) << block << " " << j;
+      c.reduce_scatter(in, out, ReduceOp::Max);
+      for (int64_t j = 0; j < block; j++) ASSERT_EQ(out.f32()[j], float(r * block + j) + 1000.0f * float(world - 1));
+    }
+  });
+}
+
+TEST_P(GlooWorld, AllGatherAndBroadcast) {
+  int world = GetParam();
+  run_ranks(world, [world](int r, Communicator& c) {
+    for (int64_t block : {1, 3, 4099}) {
+      auto in = Tensor::empty({block}, DType::F32);
+      for (int64_t i = 0; i < block; i++) in.f32()[i] = float(r * 100000 + i);
+      auto out = Tensor::zeros({block * world}, DType::F32);
+      c.all_gather(in, out);
+      for (int q = 0; q < world; q++)
+        for (int64_t i = 0; i < block; i++) ASSERT_EQ(out.f32()[q * block + i], float(q * 100000 + i));
+      for (int root = 0; root < world; root++) {
+        auto t = Tensor::empty({block}, DType::F32);
+        for (int64_t i = 0; i < block; i++) t.f32()[i] = float(r * 7 + i);
+        c.broadcast(t, root);
+        for (int64_t i = 0; i < block; i++) ASSERT_EQ(t.f32()[i], float(root * 7 + i));
+      }
+    }
+    c.barrier();
+  });
+}
+
+TEST_P(GlooWorld, AsyncWorkCompletesInIssueOrder) {
+  int world = GetParam();
+  run_ranks(world, [world](int r, Communicator& c) {
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> ws;
+    for (int k = 0; k < 8; k++) {
+      ts.push_back(Tensor::from_f32(std::vector<float>(1000, float(k + r)), {1000}));
+      ws.push_back(c.all_reduce_async(ts.back()));
+    }
+    for (int k = 0; k < 8; k++) {
+      ws[size_t(k)]->wait();
+      EXPECT_TRUE(ws[size_t(k)]->done());
+      EXPECT_EQ(values(ts[size_t(k)]), std::vector<float>(1000, float(world * k + world * (world - 1) / 2)));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GlooWorld, ::testing::Values(1, 2, 3, 4));
+
+TEST(DistGloo, RejectsWrongShapesAndGpuTensors) {
+  run_ranks(2, [](int, Communicator& c) {
+    auto in = Tensor::zeros({5}, DType::F32), out = Tensor::zeros({3}, DType::F32);
+    EXPECT_THROW(c.reduce_scatter(in, out), InputError);
+    EXPECT_THROW(c.all_gather(in, out), InputError);
+    EXPECT_THROW(c.all_reduce(Tensor::zeros({4}, DType::BF16)), InputError);
+    // Still usable after a rejected call: nothing was sent.
+    auto t = Tensor::from_f32({1, 2}, {2});
+    c.all_reduce(t);
+    EXPECT_EQ(values(t), (std::vector<float>{2, 4}));
+  });
+}
+
+TEST(DistGloo, DeadPeerIsNamedQuickly) {
+  // Rank 2 of 3 leaves (unwinding, as a crash would) while the others all-reduce.
+  StoreServer server(0);
+  std::vector<std::string> errs(3);
+  std::vector<std::thread> ts;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < 3; r++)
+    ts.emplace_back([&, r] {
+      try {
+        auto store = std::make_shared<Store>("127.0.0.1", server.port(), r, 20s);
+        CommOptions o;
+        o.timeout = 20s;
+        auto comm = make_gloo(store, r, 3, o);
+        auto t = Tensor::from_f32(std::vector<float>(100000, 1.0f), {100000});
+        comm->all_reduce(t);
+        if (r == 2) throw std::runtime_error("rank 2 crashes");
+        comm->all_reduce(t);
+      } catch (const std::exception& e) {
+        errs[size_t(r)] = e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_EQ(errs[2], "rank 2 crashes");
+  for (int r = 0; r < 2; r++) {
+    EXPECT_NE(errs[size_t(r)].find("rank 2 exited or lost its connection"), std::string::npos)
+        << "rank " << r << ": " << errs[size_t(r)];
+  }
+}

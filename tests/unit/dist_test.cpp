@@ -5,10 +5,17 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
+#include "rig/dist/bench.h"
+#include "rig/dist/bucket.h"
 #include "rig/dist/communicator.h"
+#include "rig/dist/launcher.h"
 #include "rig/dist/env.h"
 #include "rig/dist/store.h"
 #include "test_util.h"
@@ -233,25 +240,31 @@ TEST(DistStore, ADeadRankEndsWaitsWithItsName) {
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
   t.join();
-  // A rank that fails because of another is listed after the causes, even when it left first.
+  // A rank that fails because of another (mark_failed) is not a cause, and its leaving ends no wait.
   StoreServer s2(0);
   Store q0("127.0.0.1", s2.port(), 0, 10s);
   {
     Store q1("127.0.0.1", s2.port(), 1, 10s);
     q1.mark_failed();
   }
-  EXPECT_EQ(q0.dead_ranks(5s), (std::vector<int>{1}));
+  EXPECT_THROW(q0.wait({"never"}, 200ms), StoreTimeout);  // a failed rank leaving ends no wait
+  EXPECT_EQ(q0.dead_ranks(0ms), (std::vector<int>{}));     // and is not a cause
   try {
     Store q3("127.0.0.1", s2.port(), 3, 10s);
     throw std::runtime_error("die");
   } catch (const std::runtime_error&) {
   }
-  for (int i = 0; i < 100 && q0.dead_ranks(0ms).size() < 2; i++) std::this_thread::sleep_for(10ms);
-  EXPECT_EQ(q0.dead_ranks(0ms), (std::vector<int>{3, 1}));
+  EXPECT_EQ(q0.dead_ranks(5s), (std::vector<int>{3}));
+  try {
+    q0.wait({"never"}, 5s);
+    FAIL();
+  } catch (const PeerGone& e) {
+    EXPECT_EQ(e.ranks, (std::vector<int>{3}));
+  }
   // A clean goodbye is not a death.
   { Store q4("127.0.0.1", s2.port(), 4, 10s); }
   std::this_thread::sleep_for(100ms);
-  EXPECT_EQ(q0.dead_ranks(0ms), (std::vector<int>{3, 1}));
+  EXPECT_EQ(q0.dead_ranks(0ms), (std::vector<int>{3}));
 }
 
 TEST(DistStore, BarrierAcrossThreads) {
@@ -399,4 +412,203 @@ TEST(DistGloo, DeadPeerIsNamedQuickly) {
     EXPECT_NE(errs[size_t(r)].find("rank 2 exited or lost its connection"), std::string::npos)
         << "rank " << r << ": " << errs[size_t(r)];
   }
+}
+
+// ---- bucketing and flat sharding ----------------------------------------------------------
+
+TEST_P(GlooWorld, BucketedAllReduceMatchesPerTensor) {
+  int world = GetParam();
+  run_ranks(world, [world](int r, Communicator& c) {
+    std::vector<int64_t> sizes{3, 1000, 17, 50000, 1, 989, 4096};
+    std::vector<Tensor> ts;
+    auto fill = [&] {
+      for (size_t k = 0; k < ts.size(); k++)
+        for (int64_t i = 0; i < ts[k].numel(); i++) ts[k].f32()[i] = float(r + 1) * float(k + 1) + float(i % 3);
+    };
+    for (auto n : sizes) ts.push_back(Tensor::empty({n}, DType::F32));
+    BucketedAllReduce b(c, ts, 8 * 1024, ReduceOp::Avg);  // small buckets: several, one oversized
+    EXPECT_GE(b.num_buckets(), 3u);
+    for (int step = 0; step < 2; step++) {
+      fill();
+      // Gradients become final in reverse order; buckets launch as they fill up.
+      for (size_t k = ts.size(); k-- > 0;) b.mark_ready(k);
+      b.finish();
+      for (size_t k = 0; k < ts.size(); k++)
+        for (int64_t i = 0; i < ts[k].numel(); i++)
+          ASSERT_FLOAT_EQ(ts[k].f32()[i], float(world + 1) / 2.0f * float(k + 1) + float(i % 3)) << k << " " << i;
+    }
+    fill();
+    b.all_reduce();  // nothing marked: finish() launches all
+    EXPECT_FLOAT_EQ(ts[3].f32()[4], float(world + 1) / 2.0f * 4.0f + 1.0f);
+  });
+}
+
+TEST_P(GlooWorld, FlatShardRoundTrip) {
+  int world = GetParam();
+  run_ranks(world, [world](int r, Communicator& c) {
+    for (int64_t n : {1, 10, 111, 4097}) {
+      auto fs = FlatShard::of(n, world);
+      EXPECT_EQ(fs.padded % world, 0);
+      EXPECT_GE(fs.padded, n);
+      EXPECT_LT(fs.padded - n, world);
+      int64_t covered = 0;
+      for (int q = 0; q < world; q++) covered += fs.valid(q);
+      EXPECT_EQ(covered, n);
+      auto full = Tensor::empty({n}, DType::F32);  // unpadded: goes through a padded copy
+      for (int64_t i = 0; i < n; i++) full.f32()[i] = float(i) * float(r + 1);
+      auto shard = Tensor::empty({fs.shard}, DType::F32);
+      reduce_scatter_flat(c, fs, full, shard, ReduceOp::Sum)->wait();
+      for (int64_t j = 0; j < fs.valid(r); j++)
+        ASSERT_EQ(shard.f32()[j], float(fs.begin(r) + j) * float(world * (world + 1) / 2));
+      for (int64_t j = fs.valid(r); j < fs.shard; j++) ASSERT_EQ(shard.f32()[j], 0.0f);  // padding
+      // Each rank updates its shard; all-gather puts the whole buffer back everywhere.
+      for (int64_t j = 0; j < fs.shard; j++) shard.f32()[j] = float(fs.begin(r) + j) + 0.5f;
+      auto back = Tensor::zeros({n}, DType::F32);
+      all_gather_flat(c, fs, shard, back)->wait();
+      for (int64_t i = 0; i < n; i++) ASSERT_EQ(back.f32()[i], float(i) + 0.5f);
+    }
+  });
+}
+
+// ---- bench --------------------------------------------------------------------------------
+
+TEST(DistBench, BusBandwidthFactors) {
+  EXPECT_DOUBLE_EQ(busbw_factor("all_reduce", 4), 1.5);
+  EXPECT_DOUBLE_EQ(busbw_factor("reduce_scatter", 4), 0.75);
+  EXPECT_DOUBLE_EQ(busbw_factor("all_gather", 2), 0.5);
+  EXPECT_DOUBLE_EQ(busbw_factor("broadcast", 8), 1.0);
+  EXPECT_DOUBLE_EQ(busbw_factor("all_reduce", 1), 0.0);
+  EXPECT_THROW(busbw_factor("alltoall", 2), InputError);
+}
+
+TEST(DistBench, SweepIsCorrectOnThreeRanks) {
+  run_ranks(3, [](int, Communicator& c) {
+    CommBenchOptions o;
+    o.ops = all_comm_ops();
+    o.min_bytes = 4;
+    o.max_bytes = 40000;
+    o.factor = 10;
+    o.iters = 2;
+    o.warmup = 1;
+    auto rows = bench_comm(c, o);
+    ASSERT_EQ(rows.size(), 4u * 5u);
+    for (auto& r : rows) {
+      EXPECT_EQ(r.wrong, 0) << r.op << " " << r.bytes;
+      EXPECT_GT(r.time_us, 0);
+      EXPECT_NEAR(r.busbw, r.algbw * busbw_factor(r.op, 3), 1e-9);
+      if (r.op == "reduce_scatter" || r.op == "all_gather") EXPECT_EQ(int64_t(r.bytes), r.count * 4 * 3);
+      else EXPECT_EQ(int64_t(r.bytes), r.count * 4);
+    }
+  });
+}
+
+TEST(DistBench, CliSweepWithLauncher) {
+  auto r = test::run_rig("bench comm --nproc-per-node 2 --op all --min-bytes 1K --max-bytes 64K --iters 2 "
+                         "--backend gloo --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["world"], 2);
+  EXPECT_EQ(j["backend"], "gloo");
+  EXPECT_TRUE(j["ok"].get<bool>());
+  EXPECT_EQ(j["rows"].size(), 4u * 7u);
+  auto t = test::run_rig("bench comm --max-bytes 8K --iters 1");
+  ASSERT_EQ(t.code, 0) << t.out;
+  EXPECT_NE(t.out.find("busbw"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("all results correct"), std::string::npos) << t.out;
+}
+
+// ---- launcher -----------------------------------------------------------------------------
+
+TEST(DistLaunch, FlagsAreStrippedForWorkers) {
+  std::vector<std::string> in{"rig", "train", "c.yaml", "--nproc-per-node", "4", "--nnodes=2", "--node-rank",
+                              "1", "--master", "h:1", "--lr", "3"};
+  EXPECT_EQ(strip_launch_flags(in), (std::vector<std::string>{"rig", "train", "c.yaml", "--lr", "3"}));
+  LaunchOptions o;
+  parse_master("node01:29400", o);
+  EXPECT_EQ(o.master_addr, "node01");
+  EXPECT_EQ(o.master_port, 29400);
+  EXPECT_THROW(parse_master("node01", o), InputError);
+  EXPECT_THROW(parse_master("node01:x", o), InputError);
+  LaunchOptions none;
+  none.nproc_per_node = 0;
+  EXPECT_THROW(launch_local(none, {"true"}), InputError);
+}
+
+TEST(DistLaunch, FourWorkersAllReduce) {
+  auto r = test::run_rig("debug allreduce-check --nproc-per-node 4 --numel 10000");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (int k = 0; k < 4; k++)
+    EXPECT_NE(r.out.find(fmt::format("rank {} of 4: all-reduce check passed", k)), std::string::npos) << r.out;
+}
+
+TEST(DistLaunch, KilledWorkerIsNamedByTheOthers) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = test::run_rig("debug allreduce-check --nproc-per-node 3 --numel 10000 --fail-rank 1 --fail-mode kill --timeout-ms 20000");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);  // well within the 20 s timeout
+  EXPECT_EQ(r.code, 128 + 9) << r.out;
+  EXPECT_NE(r.out.find("rig launch: rank 1 (pid"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("was killed by signal 9"), std::string::npos) << r.out;
+  for (int k : {0, 2})
+    EXPECT_NE(r.out.find(fmt::format("rank {}: Gloo all_reduce #1 (10000 floats) failed: rank 1 exited", k)),
+              std::string::npos)
+        << r.out;
+}
+
+TEST(DistLaunch, WorkerThatFailsEarlyIsNamed) {
+  auto r = test::run_rig("debug allreduce-check --nproc-per-node 4 --fail-rank 2 --fail-mode exit --timeout-ms 20000");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("rig launch: rank 2 (pid"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("exited with code 1"), std::string::npos) << r.out;
+  for (int k : {0, 1, 3})
+    EXPECT_NE(r.out.find(fmt::format("rank {}: Gloo all_reduce #1", k)), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("rank 3 exited or lost"), std::string::npos) << r.out;  // only the cause is blamed
+  EXPECT_NE(r.out.find("rank 2 exited or lost its connection"), std::string::npos) << r.out;
+}
+
+TEST(DistLaunch, HungWorkerIsNamedAfterTheTimeout) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = test::run_rig("debug allreduce-check --nproc-per-node 3 --numel 10000 --fail-rank 1 --fail-mode hang --timeout-ms 1500 "
+                         "--launch-grace-ms 6000");  // rank 0 keeps the store up to 5 s for the others
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+  EXPECT_NE(r.code, 0) << r.out;
+  for (int k : {0, 2})
+    EXPECT_NE(r.out.find(fmt::format("rank {}: Gloo all_reduce #1 (10000 floats) failed: rank 1 did not take part", k)),
+              std::string::npos)
+        << r.out;
+  EXPECT_NE(r.out.find("sending SIGTERM"), std::string::npos) << r.out;  // the hung one is stopped
+}
+
+TEST(DistLaunch, SigtermIsForwardedToWorkers) {
+  std::string dir = test::temp_dir("dist-sigterm");
+  std::string cmd = fmt::format("timeout --preserve-status -s TERM 2 {} debug allreduce-check --nproc-per-node 2 "
+                                "--fail-rank 0 --fail-mode hang --timeout-ms 60000 > {}/out 2>&1; echo $? > {}/rc",
+                                RIG_BINARY, dir, dir);
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  std::ifstream rc(dir + "/rc"), out(dir + "/out");
+  int code = -1;
+  rc >> code;
+  std::string text((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(code, 128 + 15) << text;
+  EXPECT_NE(text.find("passing it to 2 workers"), std::string::npos) << text;
+}
+
+TEST(DistLaunch, MissingRankIsNamedAtRendezvous) {
+  // World of 2 but only rank 0 starts: the rendezvous names rank 1 within the timeout.
+  auto r = test::run_rig("debug allreduce-check --timeout-ms 500");  // world of 1 works alone
+  EXPECT_EQ(r.code, 0) << r.out;
+  int port = free_port();
+  std::string cmd = fmt::format("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={} {} debug allreduce-check "
+                                "--timeout-ms 500 2>&1",
+                                port, RIG_BINARY);
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_TRUE(p);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) text.append(buf, n);
+  int st = pclose(p);
+  EXPECT_NE(WEXITSTATUS(st), 0) << text;
+  EXPECT_NE(text.find("rank 1 did not connect to the rendezvous store"), std::string::npos) << text;
 }

@@ -42,8 +42,8 @@ Group::~Group() {
   comm.reset();
   store.reset();  // goodbye, or (when unwinding) the mark that this rank is gone
   // Rank 0 hosts the store: keep it up until the others have left, so they can still learn
-  // which rank failed.
-  if (server) server->wait_idle(std::chrono::duration_cast<Millis>(std::chrono::seconds(30)));
+  // which rank failed. Briefly when failing: its own error is printed only after this.
+  if (server) server->wait_idle(std::uncaught_exceptions() > 0 ? Millis(5000) : Millis(30000));
 }
 
 std::unique_ptr<Group> init_group(const DistEnv& env, Backend backend, const CommOptions& opts) {

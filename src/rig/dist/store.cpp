@@ -126,12 +126,11 @@ struct StoreServer::Impl {
 
   void serve(int fd);
   void handle(int fd, int& rank, bool& said_bye, uint8_t op, std::vector<std::string>& a);
+  // Ranks gone without goodbye that did not say they fail because of someone else.
   std::vector<int> causes() {
     std::vector<int> out;
     for (int r : dead)
       if (!failed.count(r)) out.push_back(r);
-    for (int r : dead)
-      if (failed.count(r)) out.push_back(r);
     return out;
   }
 };
@@ -414,7 +413,7 @@ std::vector<std::string> Store::call(uint8_t op, const std::vector<std::string>&
                                      Millis server_wait, uint8_t* status) {
   std::lock_guard lk(mu_);
   auto gone = [&](const char* what) {
-    return PeerGone(fmt::format("lost the rendezvous store at {} (rank 0 is gone?): {}", address(), what),
+    return PeerGone(fmt::format("rank 0 exited: lost the rendezvous store it hosts at {} ({})", address(), what),
                     {0});
   };
   if (fd_ < 0) throw gone("not connected");

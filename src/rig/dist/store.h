@@ -1,7 +1,7 @@
 // Rendezvous: a small TCP key-value store, like torch's TCPStore. Rank 0 hosts a StoreServer;
 // every rank (rank 0 included) talks to it through a Store client. Waits are bounded by a
-// timeout and end early when any rank's connection closes without saying goodbye, so a dead
-// peer gives an error that names it instead of a hang.
+// timeout and end early when a rank's connection closes without saying goodbye (unless it
+// marked itself failed first), so a dead peer gives an error that names it instead of a hang.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -26,7 +26,8 @@ class StoreTimeout : public Error {
 };
 
 // A peer died while we waited (its connection to the store closed without a goodbye), or the
-// store itself is gone (then `ranks` is {0}, the rank hosting it): `ranks` lists the dead ranks.
+// store itself is gone (then `ranks` is {0}, the rank hosting it). A rank that marked itself
+// failed (see mark_failed) is not a cause and does not end waits.
 class PeerGone : public Error {
  public:
   PeerGone(const std::string& what, std::vector<int> ranks) : Error(what), ranks(std::move(ranks)) {}
@@ -82,8 +83,8 @@ class Store {
   void join(int world, Millis timeout);
   // All `world` ranks meet here (each call site gets its own round).
   void barrier(int world, const std::string& name = "barrier");
-  // The ranks whose connection closed without goodbye (causes first, then ranks that marked
-  // themselves failed), waiting up to `wait` for at least one. Empty if none.
+  // The ranks whose connection closed without goodbye and that did not mark themselves failed
+  // (the causes), waiting up to `wait` for at least one. Empty if none.
   std::vector<int> dead_ranks(Millis wait);
   // This rank is failing because of someone else: its disconnect is not a root cause.
   void mark_failed();

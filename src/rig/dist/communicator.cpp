@@ -1,5 +1,7 @@
 #include "rig/dist/communicator.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <exception>
 
 namespace rig::dist {
@@ -27,6 +29,38 @@ double busbw_factor(std::string_view op, int world) {
   if (op == "reduce_scatter" || op == "all_gather") return (n - 1) / n;
   if (op == "broadcast") return 1.0;
   bad_input("unknown collective '{}'", op);
+}
+
+std::string blame_failure(Store& store, int rank, int world, Millis timeout, const std::string& what) {
+  // The store notices a dead peer's closed connection; give it a moment to catch up.
+  auto dead = store.dead_ranks(Millis(2000));
+  if (!dead.empty()) {
+    store.mark_failed();
+    return fmt::format("{} exited or lost its connection", ranks_str(dead));
+  }
+  store.set(fmt::format("rig/stuck/{}", rank), what);
+  std::vector<std::string> keys;
+  for (int r = 0; r < world; r++)
+    if (r != rank) keys.push_back(fmt::format("rig/stuck/{}", r));
+  std::vector<int> silent;
+  try {
+    store.wait(keys, std::min(timeout, Millis(5000)));
+  } catch (const StoreTimeout& e) {
+    for (auto& k : e.missing) silent.push_back(std::atoi(k.c_str() + 10));
+  }
+  store.mark_failed();
+  if (!silent.empty())
+    return fmt::format("{} did not take part within {} ms and did not fail (alive but hung, or not "
+                       "issuing this collective)",
+                       ranks_str(silent), timeout.count());
+  std::string differ;
+  for (int r = 0; r < world; r++) {
+    if (r == rank) continue;
+    std::string v = store.get(fmt::format("rig/stuck/{}", r), Millis(0));
+    if (v != what) differ += fmt::format("{}rank {} is in {}", differ.empty() ? "" : ", ", r, v);
+  }
+  if (!differ.empty()) return fmt::format("ranks issued different collectives: {}", differ);
+  return fmt::format("every rank timed out in {} after {} ms (network too slow or down?)", what, timeout.count());
 }
 
 #ifndef RIG_WITH_NCCL

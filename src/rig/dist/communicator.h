@@ -99,6 +99,12 @@ std::unique_ptr<Group> init_group(const DistEnv& env, Backend backend, const Com
 // Backend by the device: NCCL when a GPU and NCCL are available, Gloo otherwise.
 Backend default_backend();
 
+// Backends call this when a collective fails: names the rank to blame. A dead one is found
+// through the store (it saw the closed connection); otherwise every failing rank posts what it
+// was stuck in (`what`, e.g. "all_reduce #12"), and ranks that post nothing are alive but not
+// taking part. Marks this rank failed in the store. Throws PeerGone if the store is gone.
+std::string blame_failure(Store& store, int rank, int world, Millis timeout, const std::string& what);
+
 // Bus bandwidth factor as nccl-tests defines it (all-reduce 2(n-1)/n, reduce-scatter and
 // all-gather (n-1)/n, broadcast 1).
 double busbw_factor(std::string_view op, int world);

@@ -239,48 +239,13 @@ class GlooComm : public Communicator {
     std::string head = fmt::format("rank {}: Gloo {} #{} ({} floats) failed", rank_, name, seq, numel);
     std::string cause;
     try {
-      cause = blame(fmt::format("{} #{}", name, seq));
+      cause = blame_failure(*store_, rank_, world_, opts_.timeout, fmt::format("{} #{}", name, seq));
     } catch (const PeerGone& e) {
       cause = e.what();
     } catch (const std::exception& e) {
       cause = fmt::format("the store could not say which rank is to blame: {}", e.what());
     }
     return fmt::format("{}: {} [gloo: {}]", head, cause, detail);
-  }
-
-  // Which rank made this collective fail. A dead one is found through the store (it saw the
-  // closed connection); otherwise every failing rank posts what it was stuck in, and the ranks
-  // that post nothing are alive but not taking part: hung, or issuing other collectives.
-  std::string blame(const std::string& what) {
-    auto dead = store_->dead_ranks(Millis(2000));
-    if (!dead.empty()) {
-      store_->mark_failed();
-      return fmt::format("{} exited or lost its connection", ranks_str(dead));
-    }
-    store_->set(fmt::format("rig/stuck/{}", rank_), what);
-    std::vector<std::string> keys;
-    for (int r = 0; r < world_; r++)
-      if (r != rank_) keys.push_back(fmt::format("rig/stuck/{}", r));
-    std::vector<int> silent;
-    try {
-      store_->wait(keys, std::min(opts_.timeout, Millis(5000)));
-    } catch (const StoreTimeout& e) {
-      for (auto& k : e.missing) silent.push_back(std::atoi(k.c_str() + 10));
-    }
-    store_->mark_failed();
-    if (!silent.empty())
-      return fmt::format("{} did not take part within {} ms and did not fail (alive but hung, or not "
-                         "issuing this collective)",
-                         ranks_str(silent), opts_.timeout.count());
-    std::string differ;
-    for (int r = 0; r < world_; r++) {
-      if (r == rank_) continue;
-      std::string v = store_->get(fmt::format("rig/stuck/{}", r), Millis(0));
-      if (v != what) differ += fmt::format("{}rank {} is in {}", differ.empty() ? "" : ", ", r, v);
-    }
-    if (!differ.empty()) return fmt::format("ranks issued different collectives: {}", differ);
-    return fmt::format("every rank timed out in {} after {} ms (the network is too slow or down)", what,
-                       opts_.timeout.count());
   }
 
   std::shared_ptr<rig::dist::Store> store_;

@@ -557,8 +557,8 @@ TEST(DistLaunch, KilledWorkerIsNamedByTheOthers) {
 TEST(DistLaunch, WorkerThatFailsEarlyIsNamed) {
   auto r = test::run_rig("debug allreduce-check --nproc-per-node 4 --fail-rank 2 --fail-mode exit --timeout-ms 20000");
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_NE(r.out.find("rig launch: rank 2 (pid"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("exited with code 1"), std::string::npos) << r.out;
+  // (Which exit the launcher sees first is a race; the summary lists every failed rank.)
+  EXPECT_NE(r.out.find("rig launch:   rank 2 exited with code 1"), std::string::npos) << r.out;
   for (int k : {0, 1, 3})
     EXPECT_NE(r.out.find(fmt::format("rank {}: Gloo all_reduce #1", k)), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("rank 3 exited or lost"), std::string::npos) << r.out;  // only the cause is blamed

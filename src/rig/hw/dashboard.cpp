@@ -149,8 +149,10 @@ std::string dashboard_html(const nlohmann::json& initial_state) {
   std::string js = initial_state.dump();
   std::string safe;
   for (size_t i = 0; i < js.size(); ++i) {
-    if (js[i] == '<' && i + 1 < js.size() && js[i + 1] == '/') safe += "<\\";
-    else safe += js[i];
+    if (js[i] == '<' && i + 1 < js.size() && js[i + 1] == '/')
+      safe += "<\\";
+    else
+      safe += js[i];
   }
   auto at = page.find("__RIG_INITIAL__");
   page.replace(at, std::string("__RIG_INITIAL__").size(), safe);

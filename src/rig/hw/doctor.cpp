@@ -16,10 +16,14 @@ namespace fs = std::filesystem;
 
 const char* verdict_name(Verdict v) {
   switch (v) {
-    case Verdict::ok: return "ok";
-    case Verdict::warn: return "warn";
-    case Verdict::fail: return "fail";
-    case Verdict::skip: return "skip";
+    case Verdict::ok:
+      return "ok";
+    case Verdict::warn:
+      return "warn";
+    case Verdict::fail:
+      return "fail";
+    case Verdict::skip:
+      return "skip";
   }
   return "?";
 }
@@ -35,7 +39,8 @@ namespace {
 // A card counts as busy when it works, so a link trained down at idle is not blamed.
 bool busy(const GpuSample& s) {
   if (s.util_gpu_pct && *s.util_gpu_pct >= 10) return true;
-  return s.clocks_event_reasons && !(*s.clocks_event_reasons & 0x1) && s.util_gpu_pct.value_or(0) > 0;
+  return s.clocks_event_reasons && !(*s.clocks_event_reasons & 0x1) &&
+         s.util_gpu_pct.value_or(0) > 0;
 }
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
@@ -56,10 +61,11 @@ Check link_check(const GpuInfo& g, const GpuSample& s) {
   std::vector<std::string> why;
   if (*s.pcie_width < mw) {
     c.verdict = Verdict::warn;
-    why.push_back(fmt::format(
-        "running x{} of x{}: the slot, riser or BIOS bifurcation limits it, and all-reduce over this "
-        "card will be about {}x slower (move it to a CPU-attached x16/x8 slot)",
-        *s.pcie_width, mw, mw / std::max(1u, *s.pcie_width)));
+    why.push_back(
+        fmt::format("running x{} of x{}: the slot, riser or BIOS bifurcation limits it, and "
+                    "all-reduce over this "
+                    "card will be about {}x slower (move it to a CPU-attached x16/x8 slot)",
+                    *s.pcie_width, mw, mw / std::max(1u, *s.pcie_width)));
   }
   if (*s.pcie_gen < mg) {
     if (busy(s)) {
@@ -127,17 +133,21 @@ Check ecc_check(const GpuInfo& g, const GpuSample& s) {
   Check c{"ecc", g.index, Verdict::ok, ""};
   if (!s.ecc_uncorrected && !s.ecc_corrected) {
     c.verdict = Verdict::skip;
-    c.detail = "no ECC on this card: rig's checkpoint checksums and loss-spike rollback are the guard "
-               "against bit flips";
+    c.detail =
+        "no ECC on this card: rig's checkpoint checksums and loss-spike rollback are the guard "
+        "against bit flips";
     return c;
   }
   uint64_t unc = s.ecc_uncorrected.value_or(0), cor = s.ecc_corrected.value_or(0);
   c.detail = fmt::format("{} corrected, {} uncorrected since boot", cor, unc);
   std::vector<std::string> bad;
   if (unc > 0) bad.push_back("uncorrected errors corrupt training state silently");
-  if (s.retired_pages_pending.value_or(false)) bad.push_back("a page retirement is pending (reset the GPU)");
-  if (s.remap_pending.value_or(false)) bad.push_back("a row remap is pending (reset the GPU or reboot)");
-  if (s.remap_failure.value_or(false)) bad.push_back("row remapping failed: the card needs service");
+  if (s.retired_pages_pending.value_or(false))
+    bad.push_back("a page retirement is pending (reset the GPU)");
+  if (s.remap_pending.value_or(false))
+    bad.push_back("a row remap is pending (reset the GPU or reboot)");
+  if (s.remap_failure.value_or(false))
+    bad.push_back("row remapping failed: the card needs service");
   if (s.remapped_rows_unc)
     c.detail += fmt::format(", {} rows remapped", *s.remapped_rows_corr + *s.remapped_rows_unc);
   if (!bad.empty()) {
@@ -166,9 +176,10 @@ Check throttle_check(const GpuInfo& g, const GpuSample& s) {
   c.detail = join(names, ", ");
   if (r & (kThermalReasons | 0x80)) {
     c.verdict = Verdict::fail;
-    c.detail += (r & 0x80) ? ": the power brake is asserted (PSU or power cable cannot deliver; check "
-                             "the 12VHPWR connector and PSU capacity)"
-                           : ": the card is slowing itself to cool down";
+    c.detail += (r & 0x80)
+                    ? ": the power brake is asserted (PSU or power cable cannot deliver; check "
+                      "the 12VHPWR connector and PSU capacity)"
+                    : ": the card is slowing itself to cool down";
   } else {
     c.verdict = Verdict::warn;
     c.detail += ": clocks held by the power limit (normal under full load, not at idle)";
@@ -179,7 +190,8 @@ Check throttle_check(const GpuInfo& g, const GpuSample& s) {
 }  // namespace
 
 std::vector<Check> check_gpu(const GpuInfo& g, const GpuSample& s) {
-  return {temp_check(g, s), throttle_check(g, s), power_check(g, s), link_check(g, s), ecc_check(g, s)};
+  return {temp_check(g, s), throttle_check(g, s), power_check(g, s), link_check(g, s),
+          ecc_check(g, s)};
 }
 
 std::vector<std::string> list_infiniband(const std::string& sysfs_root) {
@@ -192,8 +204,8 @@ std::vector<std::string> list_infiniband(const std::string& sysfs_root) {
 }
 
 std::vector<std::string> list_net_interfaces(const std::string& sysfs_root) {
-  static const char* virt[] = {"lo", "docker", "veth", "virbr", "br-", "cni", "flannel", "tun", "tap",
-                               "wg", "tailscale", "zt", "vxlan", "kube"};
+  static const char* virt[] = {"lo",  "docker", "veth", "virbr",     "br-", "cni",   "flannel",
+                               "tun", "tap",    "wg",   "tailscale", "zt",  "vxlan", "kube"};
   std::vector<std::string> out;
   std::error_code ec;
   for (auto& e : fs::directory_iterator(fs::path(sysfs_root) / "class/net", ec)) {
@@ -213,24 +225,28 @@ std::vector<std::string> list_net_interfaces(const std::string& sysfs_root) {
 std::vector<Advice> nccl_advice(const AdviceInputs& in) {
   std::vector<Advice> out;
   if (in.gpus.size() < 2) return out;  // one GPU: NCCL is not in the way
-  bool all_geforce = std::all_of(in.gpus.begin(), in.gpus.end(), [](const GpuInfo& g) { return g.geforce(); });
+  bool all_geforce =
+      std::all_of(in.gpus.begin(), in.gpus.end(), [](const GpuInfo& g) { return g.geforce(); });
   if (in.p2p.measured ? in.p2p.any_denied() : all_geforce) {
-    out.push_back({"NCCL_P2P_DISABLE", "1",
-                   in.p2p.measured
-                       ? "cudaDeviceCanAccessPeer says no for some pairs: NCCL goes through host shared "
-                         "memory anyway, and saying so skips the P2P probe"
-                       : "GeForce drivers disable PCIe peer-to-peer; some driver versions still "
-                         "advertise it and NCCL then hangs or corrupts data (RTX 40-series), so force the "
-                         "shared-memory path"});
+    out.push_back(
+        {"NCCL_P2P_DISABLE", "1",
+         in.p2p.measured
+             ? "cudaDeviceCanAccessPeer says no for some pairs: NCCL goes through host shared "
+               "memory anyway, and saying so skips the P2P probe"
+             : "GeForce drivers disable PCIe peer-to-peer; some driver versions still "
+               "advertise it and NCCL then hangs or corrupts data (RTX 40-series), so force the "
+               "shared-memory path"});
   }
   if (in.ib_devices.empty())
-    out.push_back({"NCCL_IB_DISABLE", "1",
-                   "no InfiniBand/RoCE device in /sys/class/infiniband: stops NCCL looking for one"});
+    out.push_back(
+        {"NCCL_IB_DISABLE", "1",
+         "no InfiniBand/RoCE device in /sys/class/infiniband: stops NCCL looking for one"});
   if (!in.net_interfaces.empty())
-    out.push_back({"NCCL_SOCKET_IFNAME", in.net_interfaces.front(),
-                   fmt::format("the interface for NCCL's bootstrap and socket transport (found: {}); "
-                               "naming it keeps NCCL off docker0 and VPN links",
-                               join(in.net_interfaces, ", "))});
+    out.push_back(
+        {"NCCL_SOCKET_IFNAME", in.net_interfaces.front(),
+         fmt::format("the interface for NCCL's bootstrap and socket transport (found: {}); "
+                     "naming it keeps NCCL off docker0 and VPN links",
+                     join(in.net_interfaces, ", "))});
   else
     out.push_back({"NCCL_SOCKET_IFNAME", "lo",
                    "no physical interface is up: single-node runs bootstrap over loopback"});
@@ -270,36 +286,43 @@ DoctorReport run_doctor(const DoctorOptions& opt) {
       std::set<std::string> names;
       for (auto& g : r.gpus) names.insert(g.name);
       if (names.size() == 1)
-        r.checks.push_back({"gpus", -1, Verdict::ok, fmt::format("{} x {}", r.gpus.size(), *names.begin())});
+        r.checks.push_back(
+            {"gpus", -1, Verdict::ok, fmt::format("{} x {}", r.gpus.size(), *names.begin())});
       else
-        r.checks.push_back({"gpus", -1, Verdict::warn,
-                            fmt::format("mixed GPUs ({}): data-parallel steps run at the slowest card's "
-                                        "pace and memory limits follow the smallest",
-                                        join({names.begin(), names.end()}, ", "))});
+        r.checks.push_back(
+            {"gpus", -1, Verdict::warn,
+             fmt::format("mixed GPUs ({}): data-parallel steps run at the slowest card's "
+                         "pace and memory limits follow the smallest",
+                         join({names.begin(), names.end()}, ", "))});
     }
   }
   for (const auto& l : r.libraries) {
     bool multi = r.gpus.size() > 1;
     if (l.name == "nccl") {
-      if (l.found) r.checks.push_back({"nccl", -1, Verdict::ok, l.version + " (" + l.library + ")"});
+      if (l.found)
+        r.checks.push_back({"nccl", -1, Verdict::ok, l.version + " (" + l.library + ")"});
       else
         r.checks.push_back({"nccl", -1, multi ? Verdict::warn : Verdict::skip,
                             "not found (" + l.error + ")" +
                                 (multi ? ": multi-GPU training needs libnccl.so.2" : "")});
     } else if (l.name == "cudart") {
       if (!l.found) {
-        r.checks.push_back({"cuda_runtime", -1, Verdict::skip, "libcudart not found (" + l.error + ")"});
+        r.checks.push_back(
+            {"cuda_runtime", -1, Verdict::skip, "libcudart not found (" + l.error + ")"});
       } else if (r.cuda_driver_version && l.raw / 1000 > r.cuda_driver_version / 1000) {
-        r.checks.push_back({"cuda_runtime", -1, Verdict::fail,
-                            fmt::format("CUDA runtime {} needs a newer driver (this one supports CUDA {}): "
-                                        "update the NVIDIA driver",
-                                        l.version, cuda_version_string(r.cuda_driver_version))});
+        r.checks.push_back(
+            {"cuda_runtime", -1, Verdict::fail,
+             fmt::format("CUDA runtime {} needs a newer driver (this one supports CUDA {}): "
+                         "update the NVIDIA driver",
+                         l.version, cuda_version_string(r.cuda_driver_version))});
       } else if (r.cuda_driver_version && l.raw > r.cuda_driver_version) {
-        // Minor-version compatibility: it runs, but PTX newer than the driver cannot be JIT-compiled.
-        r.checks.push_back({"cuda_runtime", -1, Verdict::warn,
-                            fmt::format("CUDA runtime {} is newer than the driver's CUDA {}: runs under "
-                                        "minor-version compatibility, but kernels shipped only as PTX fail",
-                                        l.version, cuda_version_string(r.cuda_driver_version))});
+        // Minor-version compatibility: it runs, but PTX newer than the driver cannot be
+        // JIT-compiled.
+        r.checks.push_back(
+            {"cuda_runtime", -1, Verdict::warn,
+             fmt::format("CUDA runtime {} is newer than the driver's CUDA {}: runs under "
+                         "minor-version compatibility, but kernels shipped only as PTX fail",
+                         l.version, cuda_version_string(r.cuda_driver_version))});
       } else {
         r.checks.push_back({"cuda_runtime", -1, Verdict::ok, l.version + " (" + l.library + ")"});
       }
@@ -323,10 +346,11 @@ DoctorReport run_doctor(const DoctorOptions& opt) {
                                      [](const GpuPlacement& p) { return !p.found; }));
     if (unplaced) d += fmt::format("; {} GPU(s) not in hwloc's PCI tree", unplaced);
     if (r.topology.spans_numa_nodes()) {
-      r.checks.push_back({"topology", -1, Verdict::warn,
-                          d + ": GPUs hang off different NUMA nodes; traffic between them crosses the "
-                              "CPU interconnect, so bind each rank to its GPU's node (numactl "
-                              "--cpunodebind) and prefer pairs on one node"});
+      r.checks.push_back(
+          {"topology", -1, Verdict::warn,
+           d + ": GPUs hang off different NUMA nodes; traffic between them crosses the "
+               "CPU interconnect, so bind each rank to its GPU's node (numactl "
+               "--cpunodebind) and prefer pairs on one node"});
     } else {
       r.checks.push_back({"topology", -1, Verdict::ok, d});
     }
@@ -340,11 +364,13 @@ DoctorReport run_doctor(const DoctorOptions& opt) {
   }
   if (r.gpus.size() > 1)
     r.checks.push_back({"p2p", -1, r.p2p.measured ? Verdict::ok : Verdict::skip,
-                        r.p2p.measured ? (r.p2p.any_denied() ? "peer access denied for some pairs (expected "
-                                                               "on GeForce): NCCL uses host memory"
-                                                             : "peer access available")
-                                       : r.p2p.note});
-  AdviceInputs in{r.gpus, r.p2p, list_net_interfaces(opt.sysfs_root), list_infiniband(opt.sysfs_root)};
+                        r.p2p.measured
+                            ? (r.p2p.any_denied() ? "peer access denied for some pairs (expected "
+                                                    "on GeForce): NCCL uses host memory"
+                                                  : "peer access available")
+                            : r.p2p.note});
+  AdviceInputs in{r.gpus, r.p2p, list_net_interfaces(opt.sysfs_root),
+                  list_infiniband(opt.sysfs_root)};
   r.advice = nccl_advice(in);
   return r;
 }
@@ -353,10 +379,11 @@ json DoctorReport::to_json() const {
   json j;
   j["ready"] = ready();
   j["strict"] = strict;
-  j["versions"] = {{"driver", driver_version.empty() ? json(nullptr) : json(driver_version)},
-                   {"cuda_driver", cuda_driver_version ? json(cuda_version_string(cuda_driver_version))
-                                                       : json(nullptr)},
-                   {"nvml_library", nvml_library}};
+  j["versions"] = {
+      {"driver", driver_version.empty() ? json(nullptr) : json(driver_version)},
+      {"cuda_driver",
+       cuda_driver_version ? json(cuda_version_string(cuda_driver_version)) : json(nullptr)},
+      {"nvml_library", nvml_library}};
   for (auto& l : libraries) j["versions"][l.name] = l.to_json();
   j["gpus"] = json::array();
   for (size_t i = 0; i < gpus.size(); ++i) {
@@ -374,16 +401,23 @@ json DoctorReport::to_json() const {
   j["topology"] = topology.to_json();
   j["p2p"] = p2p.to_json();
   j["advice"] = json::array();
-  for (auto& a : advice) j["advice"].push_back({{"var", a.var}, {"value", a.value}, {"why", a.why}, {"line", a.line()}});
+  for (auto& a : advice)
+    j["advice"].push_back({{"var", a.var}, {"value", a.value}, {"why", a.why}, {"line", a.line()}});
   return j;
 }
 
 namespace {
 
 std::string tag(Verdict v, bool color) {
-  const char* t = v == Verdict::ok ? " ok " : v == Verdict::warn ? "WARN" : v == Verdict::fail ? "FAIL" : "skip";
+  const char* t = v == Verdict::ok     ? " ok "
+                  : v == Verdict::warn ? "WARN"
+                  : v == Verdict::fail ? "FAIL"
+                                       : "skip";
   if (!color) return fmt::format("[{}]", t);
-  const char* c = v == Verdict::ok ? "32" : v == Verdict::warn ? "33" : v == Verdict::fail ? "31" : "90";
+  const char* c = v == Verdict::ok     ? "32"
+                  : v == Verdict::warn ? "33"
+                  : v == Verdict::fail ? "31"
+                                       : "90";
   return fmt::format("[\033[{}m{}\033[0m]", c, t);
 }
 
@@ -398,10 +432,12 @@ std::string DoctorReport::to_text(bool color) const {
   auto line = [&](const std::string& s) { o += s + "\n"; };
   line("Versions");
   line(fmt::format("  {:<16}{}", "NVIDIA driver", driver_version.empty() ? "n/a" : driver_version));
-  line(fmt::format("  {:<16}{}", "CUDA (driver)", cuda_driver_version ? cuda_version_string(cuda_driver_version) : "n/a"));
+  line(fmt::format("  {:<16}{}", "CUDA (driver)",
+                   cuda_driver_version ? cuda_version_string(cuda_driver_version) : "n/a"));
   for (auto& l : libraries) {
     const char* label = l.name == "nccl" ? "NCCL" : l.name == "cudnn" ? "cuDNN" : "CUDA runtime";
-    line(fmt::format("  {:<16}{}", label, l.found ? l.version + " (" + l.library + ")" : "not found"));
+    line(fmt::format("  {:<16}{}", label,
+                     l.found ? l.version + " (" + l.library + ")" : "not found"));
   }
   for (auto& c : checks)
     if (c.gpu < 0 && (c.id == "nvml" || c.id == "gpus" || c.id == "cuda_runtime" || c.id == "nccl"))
@@ -413,18 +449,20 @@ std::string DoctorReport::to_text(bool color) const {
     if (i < samples.size()) {
       const auto& s = samples[i];
       line(fmt::format("  temp {} (slowdown {}, shutdown {})  power {} / {} (default {})  fan {}",
-                       num(s.temp_c, " C"), num(g.temp_slowdown_c, " C"), num(g.temp_shutdown_c, " C"),
-                       num(s.power_w, " W"), num(s.power_limit_w, " W"), num(g.power_default_limit_w, " W"),
+                       num(s.temp_c, " C"), num(g.temp_slowdown_c, " C"),
+                       num(g.temp_shutdown_c, " C"), num(s.power_w, " W"),
+                       num(s.power_limit_w, " W"), num(g.power_default_limit_w, " W"),
                        num(s.fan_pct, "%")));
       std::optional<double> used, total;
       if (s.fb_used) used = double(*s.fb_used) / (1 << 30);
       if (s.fb_total) total = double(*s.fb_total) / (1 << 30);
       line(fmt::format("  util {}  memory {} / {}  SM {}  mem clock {}", num(s.util_gpu_pct, "%"),
-                       num(used, "", "{:.1f}"), num(total, " GiB", "{:.1f}"), num(s.sm_clock_mhz, " MHz"),
-                       num(s.mem_clock_mhz, " MHz")));
+                       num(used, "", "{:.1f}"), num(total, " GiB", "{:.1f}"),
+                       num(s.sm_clock_mhz, " MHz"), num(s.mem_clock_mhz, " MHz")));
     }
     for (auto& c : checks)
-      if (c.gpu == int(i)) line(fmt::format("  {} {:<13}{}", tag(c.verdict, color), c.id, c.detail));
+      if (c.gpu == int(i))
+        line(fmt::format("  {} {:<13}{}", tag(c.verdict, color), c.id, c.detail));
   }
   line("");
   line("Topology");
@@ -436,7 +474,8 @@ std::string DoctorReport::to_text(bool color) const {
                  : fmt::format("  GPU{}  {} not found by hwloc", p.gpu, p.bus_id));
   if (topology.paths.size() > 1) {
     std::string h = "        ";
-    for (size_t j = 0; j < topology.paths.size(); ++j) h += fmt::format("{:<6}", fmt::format("GPU{}", j));
+    for (size_t j = 0; j < topology.paths.size(); ++j)
+      h += fmt::format("{:<6}", fmt::format("GPU{}", j));
     line(h);
     for (size_t i = 0; i < topology.paths.size(); ++i) {
       std::string row = fmt::format("  GPU{:<2}", i);
@@ -455,7 +494,8 @@ std::string DoctorReport::to_text(bool color) const {
         std::string row = fmt::format("  GPU{:<2}", i);
         for (size_t j = 0; j < p2p.gbps[i].size(); ++j)
           row += i == j ? fmt::format("{:>10}", "X")
-                        : fmt::format("{:>10}", fmt::format("{} {:.1f}", p2p.can_access[i][j] == 1 ? "P" : "-",
+                        : fmt::format("{:>10}", fmt::format("{} {:.1f}",
+                                                            p2p.can_access[i][j] == 1 ? "P" : "-",
                                                             p2p.gbps[i][j]));
         line(row);
       }
@@ -476,9 +516,11 @@ std::string DoctorReport::to_text(bool color) const {
   if (bad.empty()) {
     line(fmt::format("Result: READY{}", strict ? " (strict)" : ""));
   } else {
-    line(fmt::format("Result: NOT READY, {} failing check(s){}:", bad.size(), strict ? " (strict: warnings count)" : ""));
+    line(fmt::format("Result: NOT READY, {} failing check(s){}:", bad.size(),
+                     strict ? " (strict: warnings count)" : ""));
     for (auto& c : bad)
-      line(fmt::format("  {}{}: {}", c.gpu >= 0 ? fmt::format("gpu{} ", c.gpu) : "", c.id, c.detail));
+      line(fmt::format("  {}{}: {}", c.gpu >= 0 ? fmt::format("gpu{} ", c.gpu) : "", c.id,
+                       c.detail));
   }
   return o;
 }

@@ -45,10 +45,10 @@ std::vector<std::string> list_infiniband(const std::string& sysfs_root = "/sys")
 std::vector<std::string> list_net_interfaces(const std::string& sysfs_root = "/sys");
 
 struct DoctorOptions {
-  std::string nvml_library;        // empty: $RIG_NVML_LIBRARY or libnvidia-ml.so.1
+  std::string nvml_library;  // empty: $RIG_NVML_LIBRARY or libnvidia-ml.so.1
   std::string sysfs_root = "/sys";
-  std::string topology_xml;        // empty: probe this machine
-  bool strict = false;             // warnings fail too
+  std::string topology_xml;  // empty: probe this machine
+  bool strict = false;       // warnings fail too
   bool measure_p2p = true;
 };
 

@@ -71,7 +71,8 @@ std::vector<LibraryVersion> probe_libraries() {
   {
     LibraryVersion l;
     l.name = "cudnn";
-    if (void* h = open_first("RIG_CUDNN_LIBRARY", {"libcudnn.so.9", "libcudnn.so.8", "libcudnn.so"}, l)) {
+    if (void* h =
+            open_first("RIG_CUDNN_LIBRARY", {"libcudnn.so.9", "libcudnn.so.8", "libcudnn.so"}, l)) {
       using Fn = size_t (*)();
       if (auto fn = reinterpret_cast<Fn>(dlsym(h, "cudnnGetVersion"))) {
         l.raw = int(fn());
@@ -86,8 +87,9 @@ std::vector<LibraryVersion> probe_libraries() {
   {
     LibraryVersion l;
     l.name = "cudart";
-    if (void* h = open_first("RIG_CUDART_LIBRARY",
-                             {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"}, l)) {
+    if (void* h = open_first(
+            "RIG_CUDART_LIBRARY",
+            {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"}, l)) {
       using Fn = int (*)(int*);
       auto fn = reinterpret_cast<Fn>(dlsym(h, "cudaRuntimeGetVersion"));
       if (fn && fn(&l.raw) == 0) {

@@ -9,7 +9,7 @@
 namespace rig::hw {
 
 struct LibraryVersion {
-  std::string name;     // "nccl", "cudnn", "cudart"
+  std::string name;  // "nccl", "cudnn", "cudart"
   bool found = false;
   std::string library;  // the soname or path that loaded
   int raw = 0;          // the library's own number (22105, 90100, 12040)

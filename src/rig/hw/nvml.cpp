@@ -21,9 +21,10 @@ std::shared_ptr<Nvml> Nvml::load(std::string library) {
   n->handle_ = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!n->handle_) {
     const char* why = dlerror();
-    fail("NVML not available: cannot load {} ({}). Is the NVIDIA driver installed? "
-         "(set RIG_NVML_LIBRARY to use another library)",
-         library, why ? why : "unknown reason");
+    fail(
+        "NVML not available: cannot load {} ({}). Is the NVIDIA driver installed? "
+        "(set RIG_NVML_LIBRARY to use another library)",
+        library, why ? why : "unknown reason");
   }
 #define RIG_NVML_RESOLVE(name, ret, args) \
   n->name = reinterpret_cast<decltype(&::name)>(dlsym(n->handle_, #name));
@@ -31,8 +32,10 @@ std::shared_ptr<Nvml> Nvml::load(std::string library) {
 #undef RIG_NVML_RESOLVE
   if (!n->nvmlInit_v2 || !n->nvmlShutdown || !n->nvmlDeviceGetCount_v2 ||
       !n->nvmlDeviceGetHandleByIndex_v2)
-    fail("NVML: {} lacks nvmlInit_v2/nvmlDeviceGetCount_v2; the driver is too old or this is not NVML",
-         library);
+    fail(
+        "NVML: {} lacks nvmlInit_v2/nvmlDeviceGetCount_v2; the driver is too old or this is not "
+        "NVML",
+        library);
   nvmlReturn_t r = n->nvmlInit_v2();
   if (r != NVML_SUCCESS)
     fail("NVML: nvmlInit_v2 failed: {} (code {}). {}", n->error_string(r), r,

@@ -128,45 +128,46 @@ typedef struct nvmlFieldValue_st {
 static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t layout");
 
 // The signatures rig resolves. Each X has a typedef X_fn.
-#define RIG_NVML_FUNCTIONS(F)                                                                         \
-  F(nvmlInit_v2, nvmlReturn_t, (void))                                                              \
-  F(nvmlShutdown, nvmlReturn_t, (void))                                                             \
-  F(nvmlErrorString, const char*, (nvmlReturn_t))                                                   \
-  F(nvmlSystemGetDriverVersion, nvmlReturn_t, (char*, unsigned int))                                \
-  F(nvmlSystemGetCudaDriverVersion, nvmlReturn_t, (int*))                                           \
-  F(nvmlDeviceGetCount_v2, nvmlReturn_t, (unsigned int*))                                           \
-  F(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t*))                     \
-  F(nvmlDeviceGetName, nvmlReturn_t, (nvmlDevice_t, char*, unsigned int))                           \
-  F(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t, char*, unsigned int))                           \
-  F(nvmlDeviceGetPciInfo_v3, nvmlReturn_t, (nvmlDevice_t, nvmlPciInfo_t*))                          \
-  F(nvmlDeviceGetTemperature, nvmlReturn_t, (nvmlDevice_t, nvmlTemperatureSensors_t, unsigned int*)) \
-  F(nvmlDeviceGetTemperatureThreshold, nvmlReturn_t,                                                \
-    (nvmlDevice_t, nvmlTemperatureThresholds_t, unsigned int*))                                     \
-  F(nvmlDeviceGetPowerUsage, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                           \
-  F(nvmlDeviceGetEnforcedPowerLimit, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                   \
-  F(nvmlDeviceGetPowerManagementDefaultLimit, nvmlReturn_t, (nvmlDevice_t, unsigned int*))          \
-  F(nvmlDeviceGetClockInfo, nvmlReturn_t, (nvmlDevice_t, nvmlClockType_t, unsigned int*))           \
-  F(nvmlDeviceGetMaxClockInfo, nvmlReturn_t, (nvmlDevice_t, nvmlClockType_t, unsigned int*))        \
-  F(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t, nvmlUtilization_t*))                \
-  F(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t, nvmlMemory_t*))                           \
-  F(nvmlDeviceGetCurrPcieLinkGeneration, nvmlReturn_t, (nvmlDevice_t, unsigned int*))               \
-  F(nvmlDeviceGetCurrPcieLinkWidth, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                    \
-  F(nvmlDeviceGetMaxPcieLinkGeneration, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                \
-  F(nvmlDeviceGetMaxPcieLinkWidth, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                     \
-  F(nvmlDeviceGetCurrentClocksEventReasons, nvmlReturn_t, (nvmlDevice_t, unsigned long long*))      \
-  F(nvmlDeviceGetCurrentClocksThrottleReasons, nvmlReturn_t, (nvmlDevice_t, unsigned long long*))   \
-  F(nvmlDeviceGetTotalEccErrors, nvmlReturn_t,                                                      \
-    (nvmlDevice_t, nvmlMemoryErrorType_t, nvmlEccCounterType_t, unsigned long long*))               \
-  F(nvmlDeviceGetRetiredPages, nvmlReturn_t,                                                        \
-    (nvmlDevice_t, nvmlPageRetirementCause_t, unsigned int*, unsigned long long*))                  \
-  F(nvmlDeviceGetRetiredPagesPendingStatus, nvmlReturn_t, (nvmlDevice_t, int*))                     \
-  F(nvmlDeviceGetRemappedRows, nvmlReturn_t,                                                        \
-    (nvmlDevice_t, unsigned int*, unsigned int*, unsigned int*, unsigned int*))                     \
-  F(nvmlDeviceGetFanSpeed, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                             \
-  F(nvmlDeviceGetFieldValues, nvmlReturn_t, (nvmlDevice_t, int, nvmlFieldValue_t*))                 \
-  F(nvmlEventSetCreate, nvmlReturn_t, (nvmlEventSet_t*))                                            \
-  F(nvmlDeviceRegisterEvents, nvmlReturn_t, (nvmlDevice_t, unsigned long long, nvmlEventSet_t))     \
-  F(nvmlEventSetWait_v2, nvmlReturn_t, (nvmlEventSet_t, nvmlEventData_t*, unsigned int))           \
+#define RIG_NVML_FUNCTIONS(F)                                                                     \
+  F(nvmlInit_v2, nvmlReturn_t, (void))                                                            \
+  F(nvmlShutdown, nvmlReturn_t, (void))                                                           \
+  F(nvmlErrorString, const char*, (nvmlReturn_t))                                                 \
+  F(nvmlSystemGetDriverVersion, nvmlReturn_t, (char*, unsigned int))                              \
+  F(nvmlSystemGetCudaDriverVersion, nvmlReturn_t, (int*))                                         \
+  F(nvmlDeviceGetCount_v2, nvmlReturn_t, (unsigned int*))                                         \
+  F(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t*))                   \
+  F(nvmlDeviceGetName, nvmlReturn_t, (nvmlDevice_t, char*, unsigned int))                         \
+  F(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t, char*, unsigned int))                         \
+  F(nvmlDeviceGetPciInfo_v3, nvmlReturn_t, (nvmlDevice_t, nvmlPciInfo_t*))                        \
+  F(nvmlDeviceGetTemperature, nvmlReturn_t,                                                       \
+    (nvmlDevice_t, nvmlTemperatureSensors_t, unsigned int*))                                      \
+  F(nvmlDeviceGetTemperatureThreshold, nvmlReturn_t,                                              \
+    (nvmlDevice_t, nvmlTemperatureThresholds_t, unsigned int*))                                   \
+  F(nvmlDeviceGetPowerUsage, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                         \
+  F(nvmlDeviceGetEnforcedPowerLimit, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                 \
+  F(nvmlDeviceGetPowerManagementDefaultLimit, nvmlReturn_t, (nvmlDevice_t, unsigned int*))        \
+  F(nvmlDeviceGetClockInfo, nvmlReturn_t, (nvmlDevice_t, nvmlClockType_t, unsigned int*))         \
+  F(nvmlDeviceGetMaxClockInfo, nvmlReturn_t, (nvmlDevice_t, nvmlClockType_t, unsigned int*))      \
+  F(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t, nvmlUtilization_t*))              \
+  F(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t, nvmlMemory_t*))                         \
+  F(nvmlDeviceGetCurrPcieLinkGeneration, nvmlReturn_t, (nvmlDevice_t, unsigned int*))             \
+  F(nvmlDeviceGetCurrPcieLinkWidth, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                  \
+  F(nvmlDeviceGetMaxPcieLinkGeneration, nvmlReturn_t, (nvmlDevice_t, unsigned int*))              \
+  F(nvmlDeviceGetMaxPcieLinkWidth, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                   \
+  F(nvmlDeviceGetCurrentClocksEventReasons, nvmlReturn_t, (nvmlDevice_t, unsigned long long*))    \
+  F(nvmlDeviceGetCurrentClocksThrottleReasons, nvmlReturn_t, (nvmlDevice_t, unsigned long long*)) \
+  F(nvmlDeviceGetTotalEccErrors, nvmlReturn_t,                                                    \
+    (nvmlDevice_t, nvmlMemoryErrorType_t, nvmlEccCounterType_t, unsigned long long*))             \
+  F(nvmlDeviceGetRetiredPages, nvmlReturn_t,                                                      \
+    (nvmlDevice_t, nvmlPageRetirementCause_t, unsigned int*, unsigned long long*))                \
+  F(nvmlDeviceGetRetiredPagesPendingStatus, nvmlReturn_t, (nvmlDevice_t, int*))                   \
+  F(nvmlDeviceGetRemappedRows, nvmlReturn_t,                                                      \
+    (nvmlDevice_t, unsigned int*, unsigned int*, unsigned int*, unsigned int*))                   \
+  F(nvmlDeviceGetFanSpeed, nvmlReturn_t, (nvmlDevice_t, unsigned int*))                           \
+  F(nvmlDeviceGetFieldValues, nvmlReturn_t, (nvmlDevice_t, int, nvmlFieldValue_t*))               \
+  F(nvmlEventSetCreate, nvmlReturn_t, (nvmlEventSet_t*))                                          \
+  F(nvmlDeviceRegisterEvents, nvmlReturn_t, (nvmlDevice_t, unsigned long long, nvmlEventSet_t))   \
+  F(nvmlEventSetWait_v2, nvmlReturn_t, (nvmlEventSet_t, nvmlEventData_t*, unsigned int))          \
   F(nvmlEventSetFree, nvmlReturn_t, (nvmlEventSet_t))
 
 #define RIG_NVML_DECLARE(name, ret, args) ret name args;

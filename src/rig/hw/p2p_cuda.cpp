@@ -17,7 +17,8 @@ bool parse_bus(const std::string& s, unsigned v[4]) {
 
 bool same_bus(const std::string& a, const std::string& b) {
   unsigned x[4], y[4];
-  return parse_bus(a, x) && parse_bus(b, y) && x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
+  return parse_bus(a, x) && parse_bus(b, y) && x[0] == y[0] && x[1] == y[1] && x[2] == y[2] &&
+         x[3] == y[3];
 }
 
 }  // namespace
@@ -53,7 +54,8 @@ P2PMatrix measure_p2p(const std::vector<std::string>& bus_ids) {
     for (size_t j = 0; j < n; ++j) {
       if (i == j || cuda_of[i] < 0 || cuda_of[j] < 0) continue;
       int ok = 0;
-      if (cudaDeviceCanAccessPeer(&ok, cuda_of[i], cuda_of[j]) == cudaSuccess) m.can_access[i][j] = ok;
+      if (cudaDeviceCanAccessPeer(&ok, cuda_of[i], cuda_of[j]) == cudaSuccess)
+        m.can_access[i][j] = ok;
       if (!buf[i] || !buf[j]) continue;
       cudaSetDevice(cuda_of[i]);
       if (ok) {
@@ -68,10 +70,12 @@ P2PMatrix measure_p2p(const std::vector<std::string>& bus_ids) {
       // One warm-up copy, then timed ones; without peer access the runtime stages through host.
       cudaMemcpyPeerAsync(buf[j], cuda_of[j], buf[i], cuda_of[i], kBytes, st);
       cudaEventRecord(t0, st);
-      for (int r = 0; r < kReps; ++r) cudaMemcpyPeerAsync(buf[j], cuda_of[j], buf[i], cuda_of[i], kBytes, st);
+      for (int r = 0; r < kReps; ++r)
+        cudaMemcpyPeerAsync(buf[j], cuda_of[j], buf[i], cuda_of[i], kBytes, st);
       cudaEventRecord(t1, st);
       float ms = 0;
-      if (cudaEventSynchronize(t1) == cudaSuccess && cudaEventElapsedTime(&ms, t0, t1) == cudaSuccess && ms > 0)
+      if (cudaEventSynchronize(t1) == cudaSuccess &&
+          cudaEventElapsedTime(&ms, t0, t1) == cudaSuccess && ms > 0)
         m.gbps[i][j] = double(kBytes) * kReps / (ms * 1e-3) / 1e9;
       cudaEventDestroy(t0);
       cudaEventDestroy(t1);

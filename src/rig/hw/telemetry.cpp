@@ -98,10 +98,15 @@ json GpuSample::to_json() const {
 }
 
 std::vector<std::string> clocks_event_names(uint64_t r, bool include_benign) {
-  static const std::pair<uint64_t, const char*> names[] = {
-      {0x1, "gpu_idle"},           {0x2, "applications_clocks"},   {0x4, "sw_power_cap"},
-      {0x8, "hw_slowdown"},        {0x10, "sync_boost"},           {0x20, "sw_thermal_slowdown"},
-      {0x40, "hw_thermal_slowdown"}, {0x80, "hw_power_brake_slowdown"}, {0x100, "display_clocks"}};
+  static const std::pair<uint64_t, const char*> names[] = {{0x1, "gpu_idle"},
+                                                           {0x2, "applications_clocks"},
+                                                           {0x4, "sw_power_cap"},
+                                                           {0x8, "hw_slowdown"},
+                                                           {0x10, "sync_boost"},
+                                                           {0x20, "sw_thermal_slowdown"},
+                                                           {0x40, "hw_thermal_slowdown"},
+                                                           {0x80, "hw_power_brake_slowdown"},
+                                                           {0x100, "display_clocks"}};
   constexpr uint64_t benign = 0x1 | 0x2 | 0x10 | 0x100;
   std::vector<std::string> out;
   for (auto& [bit, name] : names)
@@ -126,7 +131,9 @@ std::string cuda_version_string(int v) {
   return fmt::format("{}.{}", v / 1000, (v % 1000) / 10);
 }
 
-Telemetry Telemetry::open(std::string library) { return Telemetry(Nvml::load(std::move(library))); }
+Telemetry Telemetry::open(std::string library) {
+  return Telemetry(Nvml::load(std::move(library)));
+}
 
 Telemetry::Telemetry(std::shared_ptr<Nvml> nvml) : nvml_(std::move(nvml)) {
   Nvml& n = *nvml_;
@@ -145,15 +152,18 @@ Telemetry::Telemetry(std::shared_ptr<Nvml> nvml) : nvml_(std::move(nvml)) {
     nvmlDevice_t d = nullptr;
     if (nvmlReturn_t r = n.nvmlDeviceGetHandleByIndex_v2(i, &d); r != NVML_SUCCESS)
       fail("NVML: GPU {} cannot be opened: {}{}", i, n.error_string(r),
-           r == NVML_ERROR_GPU_IS_LOST ? " (the GPU fell off the bus: check power and the riser)" : "");
+           r == NVML_ERROR_GPU_IS_LOST ? " (the GPU fell off the bus: check power and the riser)"
+                                       : "");
     handles_.push_back(d);
     GpuInfo g;
     g.index = int(i);
     std::fill(std::begin(buf), std::end(buf), 0);
-    if (n.nvmlDeviceGetName && n.nvmlDeviceGetName(d, buf, NVML_DEVICE_NAME_V2_BUFFER_SIZE) == NVML_SUCCESS)
+    if (n.nvmlDeviceGetName &&
+        n.nvmlDeviceGetName(d, buf, NVML_DEVICE_NAME_V2_BUFFER_SIZE) == NVML_SUCCESS)
       g.name = buf;
     std::fill(std::begin(buf), std::end(buf), 0);
-    if (n.nvmlDeviceGetUUID && n.nvmlDeviceGetUUID(d, buf, NVML_DEVICE_UUID_V2_BUFFER_SIZE) == NVML_SUCCESS)
+    if (n.nvmlDeviceGetUUID &&
+        n.nvmlDeviceGetUUID(d, buf, NVML_DEVICE_UUID_V2_BUFFER_SIZE) == NVML_SUCCESS)
       g.uuid = buf;
     nvmlPciInfo_t pci{};
     if (n.nvmlDeviceGetPciInfo_v3 && n.nvmlDeviceGetPciInfo_v3(d, &pci) == NVML_SUCCESS) {
@@ -167,7 +177,8 @@ Telemetry::Telemetry(std::shared_ptr<Nvml> nvml) : nvml_(std::move(nvml)) {
     g.temp_slowdown_c = th(NVML_TEMPERATURE_THRESHOLD_SLOWDOWN);
     g.temp_shutdown_c = th(NVML_TEMPERATURE_THRESHOLD_SHUTDOWN);
     g.mem_temp_max_c = th(NVML_TEMPERATURE_THRESHOLD_MEM_MAX);
-    g.power_default_limit_w = scaled(get<unsigned>(n.nvmlDeviceGetPowerManagementDefaultLimit, d), 1e-3);
+    g.power_default_limit_w =
+        scaled(get<unsigned>(n.nvmlDeviceGetPowerManagementDefaultLimit, d), 1e-3);
     g.max_pcie_gen = get<unsigned>(n.nvmlDeviceGetMaxPcieLinkGeneration, d);
     g.max_pcie_width = get<unsigned>(n.nvmlDeviceGetMaxPcieLinkWidth, d);
     g.max_sm_clock_mhz = scaled(get<unsigned>(n.nvmlDeviceGetMaxClockInfo, d, NVML_CLOCK_SM), 1.0);
@@ -186,7 +197,9 @@ Telemetry::~Telemetry() {
     nvml_->nvmlEventSetFree(static_cast<nvmlEventSet_t>(events_));
 }
 
-Telemetry::Telemetry(Telemetry&& o) noexcept { *this = std::move(o); }
+Telemetry::Telemetry(Telemetry&& o) noexcept {
+  *this = std::move(o);
+}
 Telemetry& Telemetry::operator=(Telemetry&& o) noexcept {
   if (this != &o) {
     if (events_ && nvml_ && nvml_->nvmlEventSetFree)
@@ -202,7 +215,9 @@ Telemetry& Telemetry::operator=(Telemetry&& o) noexcept {
   return *this;
 }
 
-const std::string& Telemetry::library() const { return nvml_->library(); }
+const std::string& Telemetry::library() const {
+  return nvml_->library();
+}
 
 std::vector<GpuSample> Telemetry::sample() {
   Nvml& n = *nvml_;
@@ -239,11 +254,12 @@ std::vector<GpuSample> Telemetry::sample() {
     // The "ClocksEvent" name replaced "ClocksThrottle" in driver 535; older drivers have only that.
     s.clocks_event_reasons = get<unsigned long long>(n.nvmlDeviceGetCurrentClocksEventReasons, d);
     if (!s.clocks_event_reasons)
-      s.clocks_event_reasons = get<unsigned long long>(n.nvmlDeviceGetCurrentClocksThrottleReasons, d);
+      s.clocks_event_reasons =
+          get<unsigned long long>(n.nvmlDeviceGetCurrentClocksThrottleReasons, d);
     s.ecc_corrected = get<unsigned long long>(n.nvmlDeviceGetTotalEccErrors, d,
                                               NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_VOLATILE_ECC);
-    s.ecc_uncorrected = get<unsigned long long>(n.nvmlDeviceGetTotalEccErrors, d,
-                                                NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC);
+    s.ecc_uncorrected = get<unsigned long long>(
+        n.nvmlDeviceGetTotalEccErrors, d, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC);
     if (n.nvmlDeviceGetRetiredPages) {
       // Count 0 with no buffer asks for the count only: NVML answers INSUFFICIENT_SIZE and sets it.
       auto pages = [&](nvmlPageRetirementCause_t cause) -> std::optional<unsigned> {
@@ -255,7 +271,8 @@ std::vector<GpuSample> Telemetry::sample() {
       s.retired_pages_sbe = pages(NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS);
       s.retired_pages_dbe = pages(NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR);
     }
-    if (auto p = get<int>(n.nvmlDeviceGetRetiredPagesPendingStatus, d)) s.retired_pages_pending = *p != 0;
+    if (auto p = get<int>(n.nvmlDeviceGetRetiredPagesPendingStatus, d))
+      s.retired_pages_pending = *p != 0;
     if (n.nvmlDeviceGetRemappedRows) {
       unsigned c = 0, u = 0, pend = 0, failed = 0;
       if (n.nvmlDeviceGetRemappedRows(d, &c, &u, &pend, &failed) == NVML_SUCCESS) {
@@ -271,7 +288,8 @@ std::vector<GpuSample> Telemetry::sample() {
     // Timeout 0: take what is queued, never block the caller's step.
     for (int k = 0; k < 64; ++k) {
       nvmlEventData_t ev{};
-      if (n.nvmlEventSetWait_v2(static_cast<nvmlEventSet_t>(events_), &ev, 0) != NVML_SUCCESS) break;
+      if (n.nvmlEventSetWait_v2(static_cast<nvmlEventSet_t>(events_), &ev, 0) != NVML_SUCCESS)
+        break;
       if (!(ev.eventType & RIG_NVML_EVENT_TYPE_XID_CRITICAL_ERROR)) continue;
       for (size_t i = 0; i < handles_.size(); ++i)
         if (handles_[i] == static_cast<void*>(ev.device)) out[i].xids.push_back(ev.eventData);

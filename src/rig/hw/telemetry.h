@@ -35,7 +35,7 @@ struct GpuSample {
   std::optional<double> sm_clock_mhz, mem_clock_mhz, util_gpu_pct, util_mem_pct, fan_pct;
   std::optional<uint64_t> fb_total, fb_used, fb_free;  // bytes
   std::optional<unsigned> pcie_gen, pcie_width;
-  std::optional<uint64_t> clocks_event_reasons;  // NVML "throttle reasons" bitmask
+  std::optional<uint64_t> clocks_event_reasons;            // NVML "throttle reasons" bitmask
   std::optional<uint64_t> ecc_corrected, ecc_uncorrected;  // volatile (since boot) totals
   std::optional<unsigned> retired_pages_sbe, retired_pages_dbe;
   std::optional<bool> retired_pages_pending;

@@ -16,8 +16,8 @@ bool Topology::spans_numa_nodes() const {
 }
 
 nlohmann::json Topology::to_json() const {
-  nlohmann::json j = {{"ok", ok}, {"packages", packages}, {"numa_nodes", numa_nodes},
-                      {"cores", cores}, {"pus", pus}, {"paths", paths}};
+  nlohmann::json j = {{"ok", ok},       {"packages", packages}, {"numa_nodes", numa_nodes},
+                      {"cores", cores}, {"pus", pus},           {"paths", paths}};
   if (!error.empty()) j["error"] = error;
   j["gpus"] = nlohmann::json::array();
   for (const auto& g : gpus) {
@@ -70,8 +70,10 @@ std::string classify(hwloc_topology_t t, hwloc_obj_t a, hwloc_obj_t b) {
   if (na >= 0 && na == nb) return "NODE";
   // Different NUMA nodes in one package still cross the package's interconnect; the socket link
   // is worse. hwloc gives both as "no common bridge", so use the package to tell them apart.
-  hwloc_obj_t pa = hwloc_get_ancestor_obj_by_type(t, HWLOC_OBJ_PACKAGE, hwloc_get_non_io_ancestor_obj(t, a));
-  hwloc_obj_t pb = hwloc_get_ancestor_obj_by_type(t, HWLOC_OBJ_PACKAGE, hwloc_get_non_io_ancestor_obj(t, b));
+  hwloc_obj_t pa =
+      hwloc_get_ancestor_obj_by_type(t, HWLOC_OBJ_PACKAGE, hwloc_get_non_io_ancestor_obj(t, a));
+  hwloc_obj_t pb =
+      hwloc_get_ancestor_obj_by_type(t, HWLOC_OBJ_PACKAGE, hwloc_get_non_io_ancestor_obj(t, b));
   if (pa && pa == pb) return "NODE";
   return "SYS";
 }

@@ -14,8 +14,8 @@ struct GpuPlacement {
   std::string bus_id;
   bool found = false;  // hwloc saw an NVIDIA device at this bus id
   int numa_node = -1;
-  std::string cpus;                   // "0-15,32-47"
-  std::optional<double> link_gbps;    // PCIe bandwidth of the link, as hwloc reads it
+  std::string cpus;                 // "0-15,32-47"
+  std::optional<double> link_gbps;  // PCIe bandwidth of the link, as hwloc reads it
 };
 
 struct Topology {

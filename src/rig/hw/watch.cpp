@@ -20,42 +20,66 @@ namespace rig::hw {
 
 using json = nlohmann::json;
 
-json Alert::to_json() const { return {{"time", time}, {"gpu", gpu}, {"kind", kind}, {"message", message}}; }
+json Alert::to_json() const {
+  return {{"time", time}, {"gpu", gpu}, {"kind", kind}, {"message", message}};
+}
 
 std::string xid_meaning(uint64_t xid) {
   switch (xid) {
-    case 13: return "graphics engine exception (often the application: out-of-bounds access)";
-    case 31: return "GPU memory page fault (usually the application)";
-    case 43: return "GPU stopped processing";
-    case 45: return "preemptive cleanup after a previous error";
-    case 48: return "double-bit ECC error";
-    case 61: case 62: return "internal micro-controller error";
-    case 63: case 64: return "ECC page retirement or row remapping event";
-    case 74: return "NVLink error";
-    case 79: return "GPU has fallen off the bus (power, riser or PCIe slot)";
-    case 92: return "high single-bit ECC error rate";
-    case 94: return "contained ECC error";
-    case 95: return "uncontained ECC error (reset the GPU)";
-    case 119: case 120: return "GSP firmware error";
-    default: return "see NVIDIA's XID catalog";
+    case 13:
+      return "graphics engine exception (often the application: out-of-bounds access)";
+    case 31:
+      return "GPU memory page fault (usually the application)";
+    case 43:
+      return "GPU stopped processing";
+    case 45:
+      return "preemptive cleanup after a previous error";
+    case 48:
+      return "double-bit ECC error";
+    case 61:
+    case 62:
+      return "internal micro-controller error";
+    case 63:
+    case 64:
+      return "ECC page retirement or row remapping event";
+    case 74:
+      return "NVLink error";
+    case 79:
+      return "GPU has fallen off the bus (power, riser or PCIe slot)";
+    case 92:
+      return "high single-bit ECC error rate";
+    case 94:
+      return "contained ECC error";
+    case 95:
+      return "uncontained ECC error (reset the GPU)";
+    case 119:
+    case 120:
+      return "GSP firmware error";
+    default:
+      return "see NVIDIA's XID catalog";
   }
 }
 
-std::vector<Alert> AlertTracker::update(const std::vector<GpuInfo>& gpus, const std::vector<GpuSample>& samples) {
+std::vector<Alert> AlertTracker::update(const std::vector<GpuInfo>& gpus,
+                                        const std::vector<GpuSample>& samples) {
   std::vector<Alert> out;
   if (st_.size() < samples.size()) st_.resize(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) {
     const GpuSample& s = samples[i];
     const GpuInfo* g = i < gpus.size() ? &gpus[i] : nullptr;
     State& p = st_[i];
-    auto add = [&](const char* kind, std::string msg) { out.push_back({s.time, s.index, kind, std::move(msg)}); };
+    auto add = [&](const char* kind, std::string msg) {
+      out.push_back({s.time, s.index, kind, std::move(msg)});
+    };
     std::string temp = s.temp_c ? fmt::format("{:.0f} C", *s.temp_c) : "n/a";
 
     bool thermal = s.thermal_throttle();
     if (thermal && !p.thermal)
-      add("thermal_throttle", fmt::format("thermal throttling ({}) at {}",
-                                          fmt::join(clocks_event_names(*s.clocks_event_reasons & (kThermalReasons)), ","),
-                                          temp));
+      add("thermal_throttle",
+          fmt::format(
+              "thermal throttling ({}) at {}",
+              fmt::join(clocks_event_names(*s.clocks_event_reasons & (kThermalReasons)), ","),
+              temp));
     p.thermal = thermal;
 
     bool power = s.power_throttle();
@@ -72,31 +96,35 @@ std::vector<Alert> AlertTracker::update(const std::vector<GpuInfo>& gpus, const 
       // Hysteresis: raised at 5 C from slowdown, cleared only 2 C lower, so 83/84/83 is one alert.
       if (!p.hot && *s.temp_c >= slow - 5) {
         p.hot = true;
-        add("near_slowdown", fmt::format("{} is within {:.0f} C of the {:.0f} C slowdown threshold", temp,
-                                         std::max(0.0, slow - *s.temp_c), slow));
+        add("near_slowdown", fmt::format("{} is within {:.0f} C of the {:.0f} C slowdown threshold",
+                                         temp, std::max(0.0, slow - *s.temp_c), slow));
       } else if (p.hot && *s.temp_c < slow - 7) {
         p.hot = false;
       }
     }
 
     if (s.ecc_uncorrected && p.ecc_u && *s.ecc_uncorrected > *p.ecc_u)
-      add("ecc", fmt::format("{} new uncorrected ECC error(s) (total {}): training state may be corrupt; "
-                             "roll back to the last verified checkpoint",
-                             *s.ecc_uncorrected - *p.ecc_u, *s.ecc_uncorrected));
+      add("ecc",
+          fmt::format("{} new uncorrected ECC error(s) (total {}): training state may be corrupt; "
+                      "roll back to the last verified checkpoint",
+                      *s.ecc_uncorrected - *p.ecc_u, *s.ecc_uncorrected));
     if (s.ecc_corrected && p.ecc_c && *s.ecc_corrected > *p.ecc_c)
-      add("ecc", fmt::format("{} new corrected ECC error(s) (total {})", *s.ecc_corrected - *p.ecc_c,
-                             *s.ecc_corrected));
+      add("ecc", fmt::format("{} new corrected ECC error(s) (total {})",
+                             *s.ecc_corrected - *p.ecc_c, *s.ecc_corrected));
     if (s.ecc_uncorrected) p.ecc_u = s.ecc_uncorrected;
     if (s.ecc_corrected) p.ecc_c = s.ecc_corrected;
 
     bool remap = s.remap_pending.value_or(false) || s.retired_pages_pending.value_or(false);
-    if (remap && !p.remap) add("remap_pending", "memory row remap or page retirement pending: reset the GPU when the run ends");
+    if (remap && !p.remap)
+      add("remap_pending",
+          "memory row remap or page retirement pending: reset the GPU when the run ends");
     p.remap = remap;
 
     bool link = g && s.pcie_width && g->max_pcie_width && *s.pcie_width < *g->max_pcie_width &&
                 s.util_gpu_pct.value_or(0) >= 10;
     if (link && !p.link)
-      add("link", fmt::format("PCIe link at x{} of x{} under load", *s.pcie_width, *g->max_pcie_width));
+      add("link",
+          fmt::format("PCIe link at x{} of x{} under load", *s.pcie_width, *g->max_pcie_width));
     p.link = link;
 
     for (uint64_t x : s.xids) add("xid", fmt::format("XID {}: {}", x, xid_meaning(x)));
@@ -112,9 +140,12 @@ namespace {
 std::string escape_label(const std::string& v) {
   std::string o;
   for (char c : v) {
-    if (c == '\\' || c == '"') o += '\\', o += c;
-    else if (c == '\n') o += "\\n";
-    else o += c;
+    if (c == '\\' || c == '"')
+      o += '\\', o += c;
+    else if (c == '\n')
+      o += "\\n";
+    else
+      o += c;
   }
   return o;
 }
@@ -129,7 +160,9 @@ std::string fmt_value(double v) {
 std::string prometheus_text(const std::vector<GpuInfo>& gpus, const std::vector<GpuSample>& samples,
                             const std::vector<uint64_t>& last_xid, const PromLabels& labels) {
   using Get = std::function<std::optional<double>(const GpuSample&, size_t)>;
-  auto u = [](auto v) -> std::optional<double> { return v ? std::optional<double>(double(*v)) : std::nullopt; };
+  auto u = [](auto v) -> std::optional<double> {
+    return v ? std::optional<double>(double(*v)) : std::nullopt;
+  };
   auto mib = [](std::optional<uint64_t> v) -> std::optional<double> {
     return v ? std::optional<double>(double(*v) / (1 << 20)) : std::nullopt;
   };
@@ -140,30 +173,49 @@ std::string prometheus_text(const std::vector<GpuInfo>& gpus, const std::vector<
     Get get;
   };
   const Family fams[] = {
-      {"DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", [&](auto& s, size_t) { return s.sm_clock_mhz; }},
-      {"DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", [&](auto& s, size_t) { return s.mem_clock_mhz; }},
-      {"DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", [&](auto& s, size_t) { return s.mem_temp_c; }},
-      {"DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", [&](auto& s, size_t) { return s.temp_c; }},
-      {"DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", [&](auto& s, size_t) { return s.power_w; }},
-      {"DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W).", [&](auto& s, size_t) { return s.power_limit_w; }},
-      {"DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", [&](auto& s, size_t) { return s.util_gpu_pct; }},
-      {"DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).", [&](auto& s, size_t) { return s.util_mem_pct; }},
-      {"DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).", [&](auto& s, size_t) { return mib(s.fb_free); }},
-      {"DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", [&](auto& s, size_t) { return mib(s.fb_used); }},
-      {"DCGM_FI_DEV_FAN_SPEED", "gauge", "Fan speed (in %).", [&](auto& s, size_t) { return s.fan_pct; }},
-      {"DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "PCIe current link generation.", [&](auto& s, size_t) { return u(s.pcie_gen); }},
-      {"DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "PCIe current link width.", [&](auto& s, size_t) { return u(s.pcie_width); }},
+      {"DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).",
+       [&](auto& s, size_t) { return s.sm_clock_mhz; }},
+      {"DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).",
+       [&](auto& s, size_t) { return s.mem_clock_mhz; }},
+      {"DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).",
+       [&](auto& s, size_t) { return s.mem_temp_c; }},
+      {"DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).",
+       [&](auto& s, size_t) { return s.temp_c; }},
+      {"DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).",
+       [&](auto& s, size_t) { return s.power_w; }},
+      {"DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W).",
+       [&](auto& s, size_t) { return s.power_limit_w; }},
+      {"DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).",
+       [&](auto& s, size_t) { return s.util_gpu_pct; }},
+      {"DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).",
+       [&](auto& s, size_t) { return s.util_mem_pct; }},
+      {"DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).",
+       [&](auto& s, size_t) { return mib(s.fb_free); }},
+      {"DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).",
+       [&](auto& s, size_t) { return mib(s.fb_used); }},
+      {"DCGM_FI_DEV_FAN_SPEED", "gauge", "Fan speed (in %).",
+       [&](auto& s, size_t) { return s.fan_pct; }},
+      {"DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "PCIe current link generation.",
+       [&](auto& s, size_t) { return u(s.pcie_gen); }},
+      {"DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "PCIe current link width.",
+       [&](auto& s, size_t) { return u(s.pcie_width); }},
       {"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", "Current clock throttle reasons (bitmask).",
        [&](auto& s, size_t) { return u(s.clocks_event_reasons); }},
       {"DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.",
-       [&](auto&, size_t i) { return std::optional<double>(i < last_xid.size() ? double(last_xid[i]) : 0.0); }},
-      {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Total number of single-bit volatile ECC errors.",
+       [&](auto&, size_t i) {
+         return std::optional<double>(i < last_xid.size() ? double(last_xid[i]) : 0.0);
+       }},
+      {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter",
+       "Total number of single-bit volatile ECC errors.",
        [&](auto& s, size_t) { return u(s.ecc_corrected); }},
-      {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Total number of double-bit volatile ECC errors.",
+      {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter",
+       "Total number of double-bit volatile ECC errors.",
        [&](auto& s, size_t) { return u(s.ecc_uncorrected); }},
-      {"DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for correctable errors",
+      {"DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter",
+       "Number of remapped rows for correctable errors",
        [&](auto& s, size_t) { return u(s.remapped_rows_corr); }},
-      {"DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for uncorrectable errors",
+      {"DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter",
+       "Number of remapped rows for uncorrectable errors",
        [&](auto& s, size_t) { return u(s.remapped_rows_unc); }},
       {"DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed",
        [&](auto& s, size_t) { return u(s.remap_failure); }},
@@ -176,11 +228,12 @@ std::string prometheus_text(const std::vector<GpuInfo>& gpus, const std::vector<
       if (!v) continue;
       const GpuInfo* g = i < gpus.size() ? &gpus[i] : nullptr;
       body += fmt::format(
-          "{}{{gpu=\"{}\",UUID=\"{}\",pci_bus_id=\"{}\",device=\"nvidia{}\",modelName=\"{}\",Hostname=\"{}\","
+          "{}{{gpu=\"{}\",UUID=\"{}\",pci_bus_id=\"{}\",device=\"nvidia{}\",modelName=\"{}\","
+          "Hostname=\"{}\","
           "DCGM_FI_DRIVER_VERSION=\"{}\"}} {}\n",
-          f.name, samples[i].index, escape_label(g ? g->uuid : ""), escape_label(g ? g->pci_bus_id : ""),
-          samples[i].index, escape_label(g ? g->name : ""), escape_label(labels.hostname),
-          escape_label(labels.driver), fmt_value(*v));
+          f.name, samples[i].index, escape_label(g ? g->uuid : ""),
+          escape_label(g ? g->pci_bus_id : ""), samples[i].index, escape_label(g ? g->name : ""),
+          escape_label(labels.hostname), escape_label(labels.driver), fmt_value(*v));
     }
     if (body.empty()) continue;  // a field no GPU reports is left out, as dcgm-exporter does
     o += fmt::format("# HELP {} {}\n# TYPE {} {}\n", f.name, f.help, f.name, f.type);
@@ -192,14 +245,16 @@ std::string prometheus_text(const std::vector<GpuInfo>& gpus, const std::vector<
 // ---- log ------------------------------------------------------------------------------------
 
 std::vector<std::string> csv_columns() {
-  return {"time", "gpu", "uuid", "temp_c", "mem_temp_c", "power_w", "power_limit_w", "sm_clock_mhz",
-          "mem_clock_mhz", "util_gpu_pct", "util_mem_pct", "fb_used_mib", "fb_free_mib", "fan_pct",
-          "pcie_gen", "pcie_width", "throttle", "ecc_corrected", "ecc_uncorrected", "xids"};
+  return {"time",         "gpu",           "uuid",          "temp_c",          "mem_temp_c",
+          "power_w",      "power_limit_w", "sm_clock_mhz",  "mem_clock_mhz",   "util_gpu_pct",
+          "util_mem_pct", "fb_used_mib",   "fb_free_mib",   "fan_pct",         "pcie_gen",
+          "pcie_width",   "throttle",      "ecc_corrected", "ecc_uncorrected", "xids"};
 }
 
 SampleLog::SampleLog(const std::string& path) : path_(path) {
   std::string ext = std::filesystem::path(path).extension().string();
-  if (ext == ".csv") csv_ = true;
+  if (ext == ".csv")
+    csv_ = true;
   else if (ext != ".jsonl" && ext != ".ndjson")
     bad_input("--log {}: use a .csv or .jsonl file name (the extension picks the format)", path);
   bool fresh = !std::filesystem::exists(path) || std::filesystem::file_size(path) == 0;
@@ -233,12 +288,26 @@ void SampleLog::write(const std::vector<GpuInfo>& gpus, const std::vector<GpuSam
     if (s.fb_free) fr = double(*s.fb_free) / (1 << 20);
     std::string xids = fmt::format("{}", fmt::join(s.xids, ";"));
     std::vector<std::string> cells = {
-        fmt::format("{:.3f}", s.time), std::to_string(s.index), g ? g->uuid : "", o(s.temp_c, "{:.0f}"),
-        o(s.mem_temp_c, "{:.0f}"), o(s.power_w, "{:.1f}"), o(s.power_limit_w, "{:.0f}"), o(s.sm_clock_mhz, "{:.0f}"),
-        o(s.mem_clock_mhz, "{:.0f}"), o(s.util_gpu_pct, "{:.0f}"), o(s.util_mem_pct, "{:.0f}"), o(used, "{:.0f}"),
-        o(fr, "{:.0f}"), o(s.fan_pct, "{:.0f}"), o(s.pcie_gen), o(s.pcie_width),
+        fmt::format("{:.3f}", s.time),
+        std::to_string(s.index),
+        g ? g->uuid : "",
+        o(s.temp_c, "{:.0f}"),
+        o(s.mem_temp_c, "{:.0f}"),
+        o(s.power_w, "{:.1f}"),
+        o(s.power_limit_w, "{:.0f}"),
+        o(s.sm_clock_mhz, "{:.0f}"),
+        o(s.mem_clock_mhz, "{:.0f}"),
+        o(s.util_gpu_pct, "{:.0f}"),
+        o(s.util_mem_pct, "{:.0f}"),
+        o(used, "{:.0f}"),
+        o(fr, "{:.0f}"),
+        o(s.fan_pct, "{:.0f}"),
+        o(s.pcie_gen),
+        o(s.pcie_width),
         fmt::format("{}", fmt::join(clocks_event_names(s.clocks_event_reasons.value_or(0)), ";")),
-        o(s.ecc_corrected), o(s.ecc_uncorrected), xids};
+        o(s.ecc_corrected),
+        o(s.ecc_uncorrected),
+        xids};
     std::fprintf(f_, "%s\n", fmt::format("{}", fmt::join(cells, ",")).c_str());
   }
   std::fflush(f_);
@@ -246,11 +315,14 @@ void SampleLog::write(const std::vector<GpuInfo>& gpus, const std::vector<GpuSam
 
 // ---- terminal -------------------------------------------------------------------------------
 
-std::string render_table(const std::vector<GpuInfo>& gpus, const std::vector<GpuSample>& samples, bool color) {
+std::string render_table(const std::vector<GpuInfo>& gpus, const std::vector<GpuSample>& samples,
+                         bool color) {
   std::string o;
   for (const auto& s : samples) {
     const GpuInfo* g = size_t(s.index) < gpus.size() ? &gpus[s.index] : nullptr;
-    auto n = [](const std::optional<double>& v, const char* f) { return v ? fmt::format(fmt::runtime(f), *v) : "n/a"; };
+    auto n = [](const std::optional<double>& v, const char* f) {
+      return v ? fmt::format(fmt::runtime(f), *v) : "n/a";
+    };
     std::string temp = n(s.temp_c, "{:.0f}C");
     bool hot = s.temp_c && g && g->temp_slowdown_c && *s.temp_c >= *g->temp_slowdown_c - 5;
     if (color) temp = fmt::format("\033[{}m{}\033[0m", hot ? "1;31" : "33", temp);
@@ -258,11 +330,15 @@ std::string render_table(const std::vector<GpuInfo>& gpus, const std::vector<Gpu
     if (s.fb_used) used = double(*s.fb_used) / (1 << 20);
     if (s.fb_total) total = double(*s.fb_total) / (1 << 20);
     auto thr = clocks_event_names(s.clocks_event_reasons.value_or(0));
-    std::string link = s.pcie_gen && s.pcie_width ? fmt::format("gen{} x{}", *s.pcie_gen, *s.pcie_width) : "n/a";
-    o += fmt::format("[{}] {:<24} | {:>4} {:>4} | {:>4} | {:>6} / {:>6} MiB | {:>4} / {:>4} W | {:>5} MHz | {:<8} | {}\n",
-                     s.index, g ? g->name.substr(0, 24) : "?", temp, n(s.fan_pct, "{:.0f}%"), n(s.util_gpu_pct, "{:.0f}%"),
-                     n(used, "{:.0f}"), n(total, "{:.0f}"), n(s.power_w, "{:.0f}"), n(s.power_limit_w, "{:.0f}"),
-                     n(s.sm_clock_mhz, "{:.0f}"), link, thr.empty() ? "-" : fmt::format("{}", fmt::join(thr, ",")));
+    std::string link =
+        s.pcie_gen && s.pcie_width ? fmt::format("gen{} x{}", *s.pcie_gen, *s.pcie_width) : "n/a";
+    o += fmt::format(
+        "[{}] {:<24} | {:>4} {:>4} | {:>4} | {:>6} / {:>6} MiB | {:>4} / {:>4} W | {:>5} MHz | "
+        "{:<8} | {}\n",
+        s.index, g ? g->name.substr(0, 24) : "?", temp, n(s.fan_pct, "{:.0f}%"),
+        n(s.util_gpu_pct, "{:.0f}%"), n(used, "{:.0f}"), n(total, "{:.0f}"), n(s.power_w, "{:.0f}"),
+        n(s.power_limit_w, "{:.0f}"), n(s.sm_clock_mhz, "{:.0f}"), link,
+        thr.empty() ? "-" : fmt::format("{}", fmt::join(thr, ",")));
   }
   return o;
 }
@@ -294,7 +370,8 @@ json read_run_metrics(const std::string& run_dir, size_t max_points) {
   }
   size_t stride = pts.size() > max_points ? (pts.size() + max_points - 1) / max_points : 1;
   for (size_t i = 0; i < pts.size(); i += stride) out["points"].push_back(pts[i]);
-  if (!pts.empty() && (pts.size() - 1) % stride) out["points"].push_back(pts.back());  // keep the latest
+  if (!pts.empty() && (pts.size() - 1) % stride)
+    out["points"].push_back(pts.back());  // keep the latest
   out["keys"] = keys;
   return out;
 }
@@ -370,7 +447,8 @@ std::string clock_string(double t) {
 
 }  // namespace
 
-int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool>* stop, WatchReady ready) {
+int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool>* stop,
+              WatchReady ready) {
   if (opt.interval_s <= 0) bad_input("--interval must be positive");
   std::unique_ptr<SampleLog> log;
   if (!opt.log_path.empty()) log = std::make_unique<SampleLog>(opt.log_path);
@@ -393,11 +471,13 @@ int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool
       sh->latest = samples;
       for (auto& s : samples) {
         auto& h = sh->history[s.index];
-        h.push_back({{"t", s.time}, {"temp", s.temp_c ? json(*s.temp_c) : json(nullptr)},
-                     {"power", s.power_w ? json(*s.power_w) : json(nullptr)},
-                     {"util", s.util_gpu_pct ? json(*s.util_gpu_pct) : json(nullptr)},
-                     {"sm", s.sm_clock_mhz ? json(*s.sm_clock_mhz) : json(nullptr)},
-                     {"fb_used", s.fb_used ? json(double(*s.fb_used) / (1 << 20)) : json(nullptr)}});
+        h.push_back(
+            {{"t", s.time},
+             {"temp", s.temp_c ? json(*s.temp_c) : json(nullptr)},
+             {"power", s.power_w ? json(*s.power_w) : json(nullptr)},
+             {"util", s.util_gpu_pct ? json(*s.util_gpu_pct) : json(nullptr)},
+             {"sm", s.sm_clock_mhz ? json(*s.sm_clock_mhz) : json(nullptr)},
+             {"fb_used", s.fb_used ? json(double(*s.fb_used) / (1 << 20)) : json(nullptr)}});
         while (h.size() > opt.history) h.pop_front();
         if (!s.xids.empty()) sh->last_xid[s.index] = s.xids.back();
       }
@@ -430,7 +510,8 @@ int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool
       res.set_content(sh->state().dump(), "application/json");
     });
     http->svr.Get("/api/run", [sh](const httplib::Request&, httplib::Response& res) {
-      json j = sh->run_dir.empty() ? json{{"error", "no --run DIR given"}} : read_run_metrics(sh->run_dir);
+      json j = sh->run_dir.empty() ? json{{"error", "no --run DIR given"}}
+                                   : read_run_metrics(sh->run_dir);
       res.set_content(j.dump(), "application/json");
     });
     http->svr.Get("/metrics", [sh](const httplib::Request&, httplib::Response& res) {
@@ -454,7 +535,9 @@ int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool
       if (!opt.clear_screen) out << line << "\n";
     }
     if (opt.clear_screen) {
-      out << "\033[H\033[2J" << fmt::format("rig watch  {}  {}  driver {}\n", sh->labels.hostname, ts, sh->labels.driver)
+      out << "\033[H\033[2J"
+          << fmt::format("rig watch  {}  {}  driver {}\n", sh->labels.hostname, ts,
+                         sh->labels.driver)
           << render_table(sh->gpus, samples, opt.color);
       for (auto& l : recent) out << (opt.color ? "\033[1;31m" + l + "\033[0m" : l) << "\n";
     } else {
@@ -467,14 +550,17 @@ int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool
     bool done = false;
     while (std::chrono::steady_clock::now() < next) {
       if ((stop && *stop) ||
-          (opt.duration_s > 0 && std::chrono::steady_clock::now() - t0 >= std::chrono::duration<double>(opt.duration_s))) {
+          (opt.duration_s > 0 && std::chrono::steady_clock::now() - t0 >=
+                                     std::chrono::duration<double>(opt.duration_s))) {
         done = true;
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (done || (stop && *stop)) break;
-    if (opt.duration_s > 0 && std::chrono::steady_clock::now() - t0 >= std::chrono::duration<double>(opt.duration_s)) break;
+    if (opt.duration_s > 0 &&
+        std::chrono::steady_clock::now() - t0 >= std::chrono::duration<double>(opt.duration_s))
+      break;
     first = take_sample();
   }
   return alerts;

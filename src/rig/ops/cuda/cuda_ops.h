@@ -1,0 +1,46 @@
+// CUDA implementations behind ops.h (the same function list as cpu_ops.h).
+//
+// Dtype rules (every tensor contiguous and on one CUDA device):
+//  - Activations and their gradients may be F32 or BF16: gemm A/B/C, add_bias y, embedding out and
+//    dout, rmsnorm x/y/dy/dx, rope x, attention q/k/v/out/dout/dq/dk/dv (one dtype for all of
+//    them), swiglu g/u/a/da/dg/du (one dtype), cross_entropy logits/dlogits (one dtype), add_ a/b,
+//    scale_, sum_squares, dropout x/out. Math is float32 everywhere; BF16 is rounded on store.
+//  - gemm: A and B share a dtype; F32 A/B need F32 C (computed in true fp32, CUBLAS_COMPUTE_32F,
+//    no TF32); BF16 A/B may write BF16 or F32 C. beta=1 accumulates into C (the dW += case).
+//  - Parameters and their gradients: rmsnorm w/dw, bias/dbias, embedding table/dtable F32 or BF16
+//    (F32 recommended for gradients: the reductions accumulate in float32 and round once).
+//  - Reduction outputs are F32: rmsnorm rstd [rows], attention lse [B,Hq,T].
+//  - rope cos/sin tables F32 or BF16; pos, ids, targets, seg I64.
+//  - adamw_step: param and grad F32 or BF16, m and v F32.
+// dropout draws its mask from a counter-based hash of (seed, element index), so it is
+// deterministic and independent of the launch shape, but it differs from the CPU backend's
+// sequential mt19937 mask for the same seed.
+#pragma once
+#include "rig/ops/ops.h"
+
+namespace rig::ops::cuda {
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta);
+void add_bias(Tensor& y, const Tensor& bias);
+void bias_backward(const Tensor& dy, Tensor& dbias);
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw);
+void rope(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads,
+          bool backward);
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                       Tensor& out, Tensor& lse);
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
+                        Tensor& dk, Tensor& dv);
+void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a);
+void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du);
+double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
+                     Tensor* dlogits, int64_t* valid);
+void add_(Tensor& a, const Tensor& b, float alpha);
+void scale_(Tensor& a, float s);
+double sum_squares(const Tensor& a);
+void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+}  // namespace rig::ops::cuda

@@ -1,0 +1,101 @@
+// Element-wise ops: add_, scale_, sum_squares, dropout. Grid-stride loops, float math.
+#include "rig/ops/cuda/common.cuh"
+
+namespace rig::ops::cuda::k {
+
+namespace {
+
+template <typename A, typename B>
+__global__ void add_kernel(A* a, const B* b, float alpha, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    st(a, i, ld(a, i) + alpha * ld(b, i));
+}
+
+template <typename A>
+__global__ void scale_kernel(A* a, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    st(a, i, ld(a, i) * s);
+}
+
+// Each block sums a fixed, interleaved share of the elements in double; the partials are added in
+// block order by sum_doubles, so the result does not depend on scheduling.
+template <typename A>
+__global__ void sumsq_kernel(const A* a, int64_t n, double* partial) {
+  double s = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const double x = ld(a, i);
+    s += x * x;
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sum_doubles_kernel(const double* partial, int n, double* out) {
+  double s = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += partial[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) *out = s;
+}
+
+// Counter-based randomness: the keep decision of element i depends only on (seed, i), so the
+// mask is the same for any launch shape and can be regenerated in backward.
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+template <typename X, typename O>
+__global__ void dropout_kernel(const X* x, O* out, float p, float keep_scale, uint64_t seed,
+                               int64_t n) {
+  const uint64_t key = splitmix64(seed);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = splitmix64(key ^ uint64_t(i));
+    const float u = float(r >> 40) * (1.0f / 16777216.0f);  // 24 bits in [0, 1)
+    st(out, i, u < p ? 0.0f : ld(x, i) * keep_scale);
+  }
+}
+
+constexpr int kThreads = 256;
+
+}  // namespace
+
+cudaError_t add(T ta, void* a, T tb, const void* b, float alpha, int64_t n, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  RIG_K_DISPATCH(ta, A, RIG_K_DISPATCH(tb, B, (add_kernel<A, B><<<grid_for(n, kThreads), kThreads, 0, s>>>(
+                                                   static_cast<A*>(a), static_cast<const B*>(b), alpha, n))));
+  return cudaGetLastError();
+}
+
+cudaError_t scale(T ta, void* a, float sc, int64_t n, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  RIG_K_DISPATCH(ta, A, (scale_kernel<A><<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<A*>(a), sc, n)));
+  return cudaGetLastError();
+}
+
+cudaError_t sum_squares_partial(T ta, const void* a, int64_t n, double* partial, int blocks,
+                                cudaStream_t s) {
+  RIG_K_DISPATCH(ta, A, (sumsq_kernel<A><<<blocks, kThreads, 0, s>>>(static_cast<const A*>(a), n, partial)));
+  return cudaGetLastError();
+}
+
+cudaError_t sum_doubles(const double* partial, int n, double* out, cudaStream_t s) {
+  sum_doubles_kernel<<<1, 1024, 0, s>>>(partial, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t dropout(T tx, const void* x, T to, void* out, float p, uint64_t seed, int64_t n,
+                    cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  const float keep = p > 0 ? 1.0f / (1.0f - p) : 1.0f;
+  RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(to, O, (dropout_kernel<X, O><<<grid_for(n, kThreads), kThreads, 0, s>>>(
+                                                   static_cast<const X*>(x), static_cast<O*>(out), p, keep, seed, n))));
+  return cudaGetLastError();
+}
+
+}  // namespace rig::ops::cuda::k

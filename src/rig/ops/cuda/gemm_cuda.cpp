@@ -1,0 +1,161 @@
+// gemm through cuBLASLt, float32 compute (CUBLAS_COMPUTE_32F: true fp32 for F32 inputs, no TF32;
+// fp32 accumulation for BF16 inputs). Row-major C = alpha op(A) op(B) + beta C is computed as the
+// column-major C^T = op(B)^T op(A)^T, so no data moves. One handle and one workspace per device;
+// the heuristic's choice is cached per shape, dtypes, transposes and pointer alignment.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "rig/core/allocator.h"
+#include "rig/ops/cuda/context.h"
+#include "rig/ops/cuda/cuda_ops.h"
+
+namespace rig::ops::cuda {
+
+namespace {
+
+constexpr size_t kWorkspace = size_t(32) << 20;
+
+struct LtDevice {
+  cublasLtHandle_t handle = nullptr;
+  Tensor workspace;  // from the device's caching allocator, so it counts against the budget
+};
+
+struct AlgoKey {
+  int dev;
+  int64_t m, n, k;
+  bool ta, tb;
+  int tab, tc;
+  uint32_t align_a, align_b, align_c;
+  bool beta_zero;
+  auto tie() const {
+    return std::tie(dev, m, n, k, ta, tb, tab, tc, align_a, align_b, align_c, beta_zero);
+  }
+  bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
+};
+
+std::mutex g_mu;
+// Never destroyed: handles and workspaces must outlive other static objects at exit.
+std::vector<LtDevice>& devices() {
+  static auto* d = new std::vector<LtDevice>();
+  return *d;
+}
+std::map<AlgoKey, cublasLtMatmulAlgo_t>& algos() {
+  static auto* a = new std::map<AlgoKey, cublasLtMatmulAlgo_t>();
+  return *a;
+}
+
+LtDevice& lt_device(int dev) {
+  auto& ds = devices();
+  if (size_t(dev) >= ds.size()) ds.resize(size_t(dev) + 1);
+  LtDevice& d = ds[size_t(dev)];
+  if (!d.handle) {
+    RIG_CUBLAS_CHECK(cublasLtCreate(&d.handle));
+    d.workspace = Tensor::empty({int64_t(kWorkspace)}, DType::U8, Device::cuda(dev),
+                                "cuBLASLt workspace");
+  }
+  return d;
+}
+
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al /= 2;
+  return al;
+}
+
+cudaDataType_t cuda_type(DType t) { return t == DType::F32 ? CUDA_R_32F : CUDA_R_16BF; }
+
+// RAII holders so a failing check does not leak descriptors.
+struct OpDesc {
+  cublasLtMatmulDesc_t d = nullptr;
+  ~OpDesc() { if (d) cublasLtMatmulDescDestroy(d); }
+};
+struct Layout {
+  cublasLtMatrixLayout_t d = nullptr;
+  ~Layout() { if (d) cublasLtMatrixLayoutDestroy(d); }
+};
+struct Pref {
+  cublasLtMatmulPreference_t d = nullptr;
+  ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
+};
+
+}  // namespace
+
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+  const char* op = "gemm";
+  const int dev = c.device().index;
+  check_on(a, dev, op, "A");
+  check_on(b, dev, op, "B");
+  RIG_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-D tensors");
+  const int64_t m = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1);
+  const int64_t kb = tb ? b.dim(1) : b.dim(0), n = tb ? b.dim(0) : b.dim(1);
+  RIG_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes {}{} x {}{} -> {}",
+            shape_str(a.shape()), ta ? "^T" : "", shape_str(b.shape()), tb ? "^T" : "",
+            shape_str(c.shape()));
+  ktype(a, op, "A");
+  ktype(c, op, "C");
+  RIG_CHECK(a.dtype() == b.dtype(), "gemm: A is {} but B is {}; cast one first",
+            dtype_name(a.dtype()), dtype_name(b.dtype()));
+  RIG_CHECK(!(a.dtype() == DType::F32 && c.dtype() != DType::F32),
+            "gemm: F32 inputs need an F32 output, got {}", dtype_name(c.dtype()));
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (beta == 0) c.zero_(); else scale_(c, beta);
+    return;
+  }
+
+  DeviceGuard guard(dev);
+  std::lock_guard<std::mutex> lock(g_mu);
+  LtDevice& ld = lt_device(dev);
+  const cudaDataType_t tab = cuda_type(a.dtype()), tc = cuda_type(c.dtype());
+
+  OpDesc desc;
+  RIG_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // cuBLAS's first operand is B (its memory is op(B)^T's source), its second is A.
+  const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+  Layout la, lb, lc;  // column-major views of B, A and C
+  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.d, tab, uint64_t(b.dim(1)), uint64_t(b.dim(0)),
+                                              b.dim(1)));
+  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.d, tab, uint64_t(a.dim(1)), uint64_t(a.dim(0)),
+                                              a.dim(1)));
+  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.d, tc, uint64_t(n), uint64_t(m), n));
+
+  const AlgoKey key{dev, m, n, k, ta, tb, int(tab), int(tc), alignment(b.raw()),
+                    alignment(a.raw()), alignment(c.raw()), beta == 0.0f};
+  auto it = algos().find(key);
+  if (it == algos().end()) {
+    Pref pref;
+    RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.d));
+    const size_t ws = kWorkspace;
+    RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    // Views (slice_rows) can be less aligned than fresh allocations: tell the heuristic.
+    for (auto [attr, al] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
+                            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
+                            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+                            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}})
+      RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.d, attr, &al, sizeof(al)));
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    RIG_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ld.handle, desc.d, la.d, lb.d, lc.d, lc.d,
+                                                    pref.d, 1, &res, &found));
+    RIG_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for {}{} x {}{} -> {} ({} x {} -> {})",
+              shape_str(a.shape()), ta ? "^T" : "", shape_str(b.shape()), tb ? "^T" : "",
+              shape_str(c.shape()), dtype_name(a.dtype()), dtype_name(b.dtype()),
+              dtype_name(c.dtype()));
+    it = algos().emplace(key, res.algo).first;
+  }
+  RIG_CUBLAS_CHECK(cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
+                                  c.raw(), lc.d, c.raw(), lc.d, &it->second, ld.workspace.raw(),
+                                  kWorkspace, stream_for(dev)));
+}
+
+}  // namespace rig::ops::cuda

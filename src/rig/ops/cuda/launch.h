@@ -1,0 +1,88 @@
+// The plain C++ interface between the host wrappers (ops_cuda.cpp, compiled by the host compiler,
+// where tensors, fmt and error messages live) and the kernels (*.cu, compiled by nvcc and kept
+// free of fmt, which nvcc's C++20 mode cannot parse). Every launcher takes the stream explicitly
+// and returns the launch status; the wrappers check it.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace rig::ops::cuda::k {
+
+// Element types the kernels know; activations are one of these.
+enum class T : int { F32 = 0, BF16 = 1 };
+
+// A record a kernel fills when it finds bad input (an id outside the vocabulary, a position outside
+// the rope table); the host reads it at the next synchronising op. code 0: no error.
+struct DeviceError {
+  int code;
+  int pad;
+  long long where, value, limit;
+};
+enum ErrorCode : int { kNoError = 0, kBadTokenId = 1, kBadRopePos = 2, kBadLabel = 3 };
+
+// ---- elementwise.cu
+cudaError_t add(T ta, void* a, T tb, const void* b, float alpha, int64_t n, cudaStream_t s);
+cudaError_t scale(T ta, void* a, float sc, int64_t n, cudaStream_t s);
+// Writes per-block partial sums (double) into `partial` [blocks]; `blocks` <= 1024.
+cudaError_t sum_squares_partial(T ta, const void* a, int64_t n, double* partial, int blocks,
+                                cudaStream_t s);
+cudaError_t sum_doubles(const double* partial, int n, double* out, cudaStream_t s);
+cudaError_t dropout(T tx, const void* x, T to, void* out, float p, uint64_t seed, int64_t n,
+                    cudaStream_t s);
+cudaError_t swiglu_fwd(T t, const void* g, const void* u, void* a, int64_t n, cudaStream_t s);
+cudaError_t swiglu_bwd(T t, const void* da, const void* g, const void* u, void* dg, void* du,
+                       int64_t n, cudaStream_t s);
+
+// ---- adamw.cu (m, v float32)
+cudaError_t adamw(T tp, void* p, T tg, const void* g, float* m, float* v, int64_t n, float decay,
+                  float w1, float beta2, float w2, float bc2_sqrt, float eps, float step_size,
+                  cudaStream_t s);
+
+// ---- embedding.cu
+cudaError_t embedding_fwd(const int64_t* ids, int64_t rows, T tt, const void* table, int64_t vocab,
+                          int64_t h, T to, void* out, DeviceError* err, cudaStream_t s);
+cudaError_t embedding_bwd(const int64_t* ids, int64_t rows, T td, const void* dout, T tt,
+                          void* dtable, int64_t vocab, int64_t h, cudaStream_t s);
+
+// ---- norm.cu (rstd float32; w and the parameter gradients dw/dbias F32 or BF16)
+cudaError_t rmsnorm_fwd(T tx, const void* x, T tw, const void* w, float eps, T ty, void* y,
+                        float* rstd, int64_t rows, int64_t h, cudaStream_t s);
+// dx written; dw += via `partial` scratch [chunks, h] float32, chunks = colsum_chunks(rows).
+cudaError_t rmsnorm_bwd(T tdy, const void* dy, T tx, const void* x, T tw, const void* w,
+                        const float* rstd, T tdx, void* dx, T tdw, void* dw, float* partial,
+                        int64_t rows, int64_t h, cudaStream_t s);
+cudaError_t add_bias(T ty, void* y, T tb, const void* b, int64_t rows, int64_t n, cudaStream_t s);
+cudaError_t bias_bwd(T tdy, const void* dy, T tdb, void* db, float* partial, int64_t rows,
+                     int64_t n, cudaStream_t s);
+int colsum_chunks(int64_t rows);
+
+// ---- rope.cu (cos/sin tables F32 or BF16, read as float)
+cudaError_t rope(T tx, void* x, const int64_t* pos, int64_t rows, int heads, int64_t head_dim,
+                 T ttab, const void* cos, const void* sin, int64_t positions, bool backward,
+                 DeviceError* err, cudaStream_t s);
+
+// ---- attention.cu (q/k/v/out/dout/dq/dk/dv one dtype t; lse and the delta scratch float32)
+struct AttnDims {
+  int B, T, Hq, Hk, D;
+};
+cudaError_t attention_fwd(T t, const void* q, const void* k, const void* v, const int64_t* seg,
+                          void* out, float* lse, AttnDims d, cudaStream_t s);
+cudaError_t attention_bwd(T t, const void* dout, const void* q, const void* k, const void* v,
+                          const int64_t* seg, const void* out, const float* lse, float* delta,
+                          void* dq, void* dk, void* dv, AttnDims d, cudaStream_t s);
+int attention_max_head_dim();
+
+// ---- cross_entropy.cu (logits/dlogits one dtype t, dlogits may alias logits)
+struct CeResult {
+  double loss;
+  long long count;
+  long long bad_row;  // -1 when all labels were valid
+  long long bad_label;
+};
+// row_loss scratch [rows] float32; out one CeResult on the device.
+cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows,
+                          int64_t V, float grad_scale, void* dlogits, float* row_loss,
+                          CeResult* out, cudaStream_t s);
+
+}  // namespace rig::ops::cuda::k

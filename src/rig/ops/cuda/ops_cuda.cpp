@@ -1,0 +1,450 @@
+// Host wrappers of the CUDA ops: argument checks with messages that name the op and the tensor,
+// the device guard, scratch buffers, then one launcher call whose status is checked.
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+#include "rig/ops/cuda/context.h"
+#include "rig/ops/cuda/cuda_ops.h"
+
+namespace rig::ops::cuda {
+
+// ---- context ------------------------------------------------------------------------------
+
+cudaStream_t stream_for(int /*device*/) { return cudaStreamLegacy; }
+
+DeviceGuard::DeviceGuard(int device) {
+  RIG_CUDA_CHECK(cudaGetDevice(&prev_));
+  if (prev_ != device) RIG_CUDA_CHECK(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() {
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+}
+
+k::DeviceError* device_error(int device) {
+  static std::mutex mu;
+  static auto* recs = new std::vector<k::DeviceError*>();  // never freed: outlives static teardown
+  std::lock_guard<std::mutex> g(mu);
+  if (size_t(device) >= recs->size()) recs->resize(size_t(device) + 1, nullptr);
+  auto& r = (*recs)[size_t(device)];
+  if (!r) {
+    DeviceGuard dg(device);
+    RIG_CUDA_CHECK(cudaMalloc(&r, sizeof(k::DeviceError)));
+    RIG_CUDA_CHECK(cudaMemset(r, 0, sizeof(k::DeviceError)));
+  }
+  return r;
+}
+
+void raise_device_errors(int device) {
+  k::DeviceError* d = device_error(device);
+  k::DeviceError h{};
+  RIG_CUDA_CHECK(cudaMemcpyAsync(&h, d, sizeof(h), cudaMemcpyDeviceToHost, stream_for(device)));
+  RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(device)));
+  if (h.code == k::kNoError) return;
+  RIG_CUDA_CHECK(cudaMemsetAsync(d, 0, sizeof(h), stream_for(device)));
+  switch (h.code) {
+    case k::kBadTokenId:
+      bad_input("token id {} at position {} is outside the vocabulary of {}", h.value, h.where,
+                h.limit);
+    case k::kBadRopePos:
+      bad_input("position {} of row {} is outside the rope table ({})", h.value, h.where, h.limit);
+    default:
+      fail("a CUDA kernel reported bad input (code {}, at {}: {} vs {})", h.code, h.where, h.value,
+           h.limit);
+  }
+}
+
+k::T ktype(const Tensor& t, const char* op, const char* arg) {
+  if (t.dtype() == DType::F32) return k::T::F32;
+  if (t.dtype() == DType::BF16) return k::T::BF16;
+  fail("{}: {} must be F32 or BF16 on CUDA, got {}", op, arg, dtype_name(t.dtype()));
+}
+
+void check_on(const Tensor& t, int dev, const char* op, const char* arg) {
+  RIG_CHECK(t.defined(), "{}: {} is undefined", op, arg);
+  RIG_CHECK(t.device() == Device::cuda(dev), "{}: {} is on {}, expected cuda:{}", op, arg,
+            t.device().str(), dev);
+}
+
+void check_dtype(const Tensor& t, DType dt, const char* op, const char* arg) {
+  RIG_CHECK(t.dtype() == dt, "{}: {} must be {}, got {}", op, arg, dtype_name(dt),
+            dtype_name(t.dtype()));
+}
+
+namespace {
+
+void check_status(cudaError_t e, const char* op) {
+  if (e != cudaSuccess) fail("{}: CUDA kernel launch failed: {}", op, cudaGetErrorString(e));
+}
+
+void same_shape(const Tensor& a, const Tensor& b, const char* op, const char* an, const char* bn) {
+  RIG_CHECK(a.shape() == b.shape(), "{}: {} {} and {} {} differ", op, an, shape_str(a.shape()), bn,
+            shape_str(b.shape()));
+}
+
+Tensor scratch(const Shape& s, DType dt, int dev, const char* what) {
+  return Tensor::empty(s, dt, Device::cuda(dev), what);
+}
+
+}  // namespace
+
+// ---- bias -----------------------------------------------------------------------------------
+
+void add_bias(Tensor& y, const Tensor& bias) {
+  const char* op = "add_bias";
+  const int dev = y.device().index;
+  check_on(bias, dev, op, "bias");
+  RIG_CHECK(y.ndim() == 2 && bias.numel() == y.dim(1), "{}: y {} with bias {}", op,
+            shape_str(y.shape()), shape_str(bias.shape()));
+  DeviceGuard g(dev);
+  check_status(k::add_bias(ktype(y, op, "y"), y.raw(), ktype(bias, op, "bias"), bias.raw(), y.dim(0),
+                           y.dim(1), stream_for(dev)),
+               op);
+}
+
+void bias_backward(const Tensor& dy, Tensor& dbias) {
+  const char* op = "bias_backward";
+  const int dev = dy.device().index;
+  check_on(dbias, dev, op, "dbias");
+  RIG_CHECK(dy.ndim() == 2 && dbias.numel() == dy.dim(1), "{}: dy {} with dbias {}", op,
+            shape_str(dy.shape()), shape_str(dbias.shape()));
+  DeviceGuard g(dev);
+  Tensor partial = scratch({k::colsum_chunks(dy.dim(0)), dy.dim(1)}, DType::F32, dev,
+                           "bias_backward partial sums");
+  check_status(k::bias_bwd(ktype(dy, op, "dy"), dy.raw(), ktype(dbias, op, "dbias"), dbias.raw(),
+                           partial.f32(), dy.dim(0), dy.dim(1), stream_for(dev)),
+               op);
+}
+
+// ---- embedding ----------------------------------------------------------------------------
+
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  const char* op = "embedding_forward";
+  const int dev = out.device().index;
+  check_on(ids, dev, op, "ids");
+  check_on(table, dev, op, "table");
+  check_dtype(ids, DType::I64, op, "ids");
+  RIG_CHECK(table.ndim() == 2 && out.numel() == ids.numel() * table.dim(1),
+            "{}: ids {} table {} out {}", op, shape_str(ids.shape()), shape_str(table.shape()),
+            shape_str(out.shape()));
+  DeviceGuard g(dev);
+  check_status(k::embedding_fwd(ids.data<int64_t>(), ids.numel(), ktype(table, op, "table"),
+                                table.raw(), table.dim(0), table.dim(1), ktype(out, op, "out"),
+                                out.raw(), device_error(dev), stream_for(dev)),
+               op);
+  // Bad token ids are user input: report them here, where the CPU backend does (one small copy).
+  raise_device_errors(dev);
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  const char* op = "embedding_backward";
+  const int dev = dout.device().index;
+  check_on(ids, dev, op, "ids");
+  check_on(dtable, dev, op, "dtable");
+  check_dtype(ids, DType::I64, op, "ids");
+  RIG_CHECK(dtable.ndim() == 2 && dout.numel() == ids.numel() * dtable.dim(1),
+            "{}: ids {} dout {} dtable {}", op, shape_str(ids.shape()), shape_str(dout.shape()),
+            shape_str(dtable.shape()));
+  DeviceGuard g(dev);
+  check_status(k::embedding_bwd(ids.data<int64_t>(), ids.numel(), ktype(dout, op, "dout"),
+                                dout.raw(), ktype(dtable, op, "dtable"), dtable.raw(),
+                                dtable.dim(0), dtable.dim(1), stream_for(dev)),
+               op);
+}
+
+// ---- rmsnorm ------------------------------------------------------------------------------
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+  const char* op = "rmsnorm_forward";
+  const int dev = x.device().index;
+  check_on(w, dev, op, "w");
+  check_on(y, dev, op, "y");
+  check_on(rstd, dev, op, "rstd");
+  check_dtype(rstd, DType::F32, op, "rstd");
+  RIG_CHECK(x.ndim() == 2 && w.numel() == x.dim(1) && rstd.numel() == x.dim(0),
+            "{}: x {} w {} rstd {}", op, shape_str(x.shape()), shape_str(w.shape()),
+            shape_str(rstd.shape()));
+  same_shape(x, y, op, "x", "y");
+  DeviceGuard g(dev);
+  check_status(k::rmsnorm_fwd(ktype(x, op, "x"), x.raw(), ktype(w, op, "w"), w.raw(), eps,
+                              ktype(y, op, "y"), y.raw(), rstd.f32(), x.dim(0), x.dim(1),
+                              stream_for(dev)),
+               op);
+}
+
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw) {
+  const char* op = "rmsnorm_backward";
+  const int dev = x.device().index;
+  for (auto [t, n] : {std::pair{&dy, "dy"}, {&w, "w"}, {&rstd, "rstd"}, {&dx, "dx"}, {&dw, "dw"}})
+    check_on(*t, dev, op, n);
+  check_dtype(rstd, DType::F32, op, "rstd");
+  RIG_CHECK(x.ndim() == 2 && w.numel() == x.dim(1) && dw.numel() == x.dim(1) &&
+                rstd.numel() == x.dim(0),
+            "{}: x {} w {} dw {} rstd {}", op, shape_str(x.shape()), shape_str(w.shape()),
+            shape_str(dw.shape()), shape_str(rstd.shape()));
+  same_shape(x, dy, op, "x", "dy");
+  same_shape(x, dx, op, "x", "dx");
+  DeviceGuard g(dev);
+  Tensor partial = scratch({k::colsum_chunks(x.dim(0)), x.dim(1)}, DType::F32, dev,
+                           "rmsnorm_backward partial sums");
+  check_status(k::rmsnorm_bwd(ktype(dy, op, "dy"), dy.raw(), ktype(x, op, "x"), x.raw(),
+                              ktype(w, op, "w"), w.raw(), rstd.f32(), ktype(dx, op, "dx"), dx.raw(),
+                              ktype(dw, op, "dw"), dw.raw(), partial.f32(), x.dim(0), x.dim(1),
+                              stream_for(dev)),
+               op);
+}
+
+// ---- rope ---------------------------------------------------------------------------------
+
+void rope(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads,
+          bool backward) {
+  const char* op = backward ? "rope_backward" : "rope_forward";
+  const int dev = x.device().index;
+  check_on(pos, dev, op, "pos");
+  check_on(cos, dev, op, "cos");
+  check_on(sin, dev, op, "sin");
+  check_dtype(pos, DType::I64, op, "pos");
+  RIG_CHECK(cos.dtype() == sin.dtype(), "{}: cos and sin tables differ in dtype", op);
+  RIG_CHECK(x.ndim() == 2 && heads > 0 && x.dim(1) % heads == 0, "{}: x {} with {} heads", op,
+            shape_str(x.shape()), heads);
+  const int64_t d = x.dim(1) / heads;
+  RIG_CHECK(d % 2 == 0 && cos.ndim() == 2 && cos.dim(1) == d / 2 && sin.shape() == cos.shape(),
+            "{}: rope table {} for head_dim {}", op, shape_str(cos.shape()), d);
+  RIG_CHECK(pos.numel() == x.dim(0), "{}: pos {} for {} rows", op, shape_str(pos.shape()), x.dim(0));
+  DeviceGuard g(dev);
+  // Positions are checked on the device; a bad one is reported at the next synchronising op
+  // (cross_entropy, sum_squares, embedding_forward) rather than stalling every layer here.
+  check_status(k::rope(ktype(x, op, "x"), x.raw(), pos.data<int64_t>(), x.dim(0), heads, d,
+                       ktype(cos, op, "cos"), cos.raw(), sin.raw(), cos.dim(0), backward,
+                       device_error(dev), stream_for(dev)),
+               op);
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+namespace {
+k::AttnDims attn_dims(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                      const char* op) {
+  RIG_CHECK(q.ndim() == 4 && k.ndim() == 4, "{}: expects [B,T,H,D] tensors, got q {} k {}", op,
+            shape_str(q.shape()), shape_str(k.shape()));
+  same_shape(k, v, op, "k", "v");
+  RIG_CHECK(k.dim(0) == q.dim(0) && k.dim(1) == q.dim(1) && k.dim(3) == q.dim(3),
+            "{}: q {} and k {} disagree", op, shape_str(q.shape()), shape_str(k.shape()));
+  RIG_CHECK(k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0, "{}: kv heads {} do not divide query heads {}",
+            op, k.dim(2), q.dim(2));
+  RIG_CHECK(q.dim(3) <= k::attention_max_head_dim(), "{}: head_dim {} above the supported {}", op,
+            q.dim(3), k::attention_max_head_dim());
+  RIG_CHECK(q.dim(1) < (int64_t(1) << 31) && q.dim(0) < 65536 && q.dim(2) < 65536,
+            "{}: q {} too large", op, shape_str(q.shape()));
+  if (seg.defined()) {
+    check_dtype(seg, DType::I64, op, "seg");
+    RIG_CHECK(seg.numel() == q.dim(0) * q.dim(1), "{}: seg {} for q {}", op,
+              shape_str(seg.shape()), shape_str(q.shape()));
+  }
+  return k::AttnDims{int(q.dim(0)), int(q.dim(1)), int(q.dim(2)), int(k.dim(2)), int(q.dim(3))};
+}
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                       Tensor& out, Tensor& lse) {
+  const char* op = "attention_forward";
+  const int dev = q.device().index;
+  for (auto [t, n] : {std::pair{&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}})
+    check_on(*t, dev, op, n);
+  if (seg.defined()) check_on(seg, dev, op, "seg");
+  const k::AttnDims d = attn_dims(q, k, v, seg, op);
+  same_shape(q, out, op, "q", "out");
+  check_dtype(lse, DType::F32, op, "lse");
+  RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
+            shape_str(lse.shape()), shape_str(q.shape()));
+  const k::T t = ktype(q, op, "q");
+  for (auto [x, n] : {std::pair{&k, "k"}, {&v, "v"}, {&out, "out"}})
+    RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
+              dtype_name(q.dtype()));
+  DeviceGuard g(dev);
+  check_status(k::attention_fwd(t, q.raw(), k.raw(), v.raw(),
+                                seg.defined() ? seg.data<int64_t>() : nullptr, out.raw(), lse.f32(),
+                                d, stream_for(dev)),
+               op);
+}
+
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
+                        Tensor& dk, Tensor& dv) {
+  const char* op = "attention_backward";
+  const int dev = q.device().index;
+  for (auto [t, n] : {std::pair{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"},
+                      {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
+    check_on(*t, dev, op, n);
+  if (seg.defined()) check_on(seg, dev, op, "seg");
+  const k::AttnDims d = attn_dims(q, k, v, seg, op);
+  same_shape(q, out, op, "q", "out");
+  same_shape(q, dout, op, "q", "dout");
+  same_shape(q, dq, op, "q", "dq");
+  same_shape(k, dk, op, "k", "dk");
+  same_shape(k, dv, op, "k", "dv");
+  check_dtype(lse, DType::F32, op, "lse");
+  RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
+            shape_str(lse.shape()), shape_str(q.shape()));
+  const k::T t = ktype(q, op, "q");
+  for (auto [x, n] : {std::pair{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dq, "dq"},
+                      {&dk, "dk"}, {&dv, "dv"}})
+    RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
+              dtype_name(q.dtype()));
+  DeviceGuard g(dev);
+  Tensor delta = scratch(lse.shape(), DType::F32, dev, "attention_backward delta");
+  check_status(k::attention_bwd(t, dout.raw(), q.raw(), k.raw(), v.raw(),
+                                seg.defined() ? seg.data<int64_t>() : nullptr, out.raw(), lse.f32(),
+                                delta.f32(), dq.raw(), dk.raw(), dv.raw(), d, stream_for(dev)),
+               op);
+}
+
+// ---- swiglu -------------------------------------------------------------------------------
+
+void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a) {
+  const char* op = "swiglu_forward";
+  const int dev = g.device().index;
+  check_on(u, dev, op, "u");
+  check_on(a, dev, op, "a");
+  same_shape(g, u, op, "g", "u");
+  same_shape(g, a, op, "g", "a");
+  RIG_CHECK(u.dtype() == g.dtype() && a.dtype() == g.dtype(), "{}: g, u and a must share a dtype",
+            op);
+  DeviceGuard dg(dev);
+  check_status(k::swiglu_fwd(ktype(g, op, "g"), g.raw(), u.raw(), a.raw(), g.numel(),
+                             stream_for(dev)),
+               op);
+}
+
+void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du) {
+  const char* op = "swiglu_backward";
+  const int dev = g.device().index;
+  for (auto [t, n] : {std::pair{&da, "da"}, {&u, "u"}, {&dg, "dg"}, {&du, "du"}})
+    check_on(*t, dev, op, n);
+  for (auto [t, n] : {std::pair{&da, "da"}, {&u, "u"}, {&dg, "dg"}, {&du, "du"}}) {
+    same_shape(g, *t, op, "g", n);
+    RIG_CHECK(t->dtype() == g.dtype(), "{}: {} is {} but g is {}", op, n, dtype_name(t->dtype()),
+              dtype_name(g.dtype()));
+  }
+  DeviceGuard dgd(dev);
+  check_status(k::swiglu_bwd(ktype(g, op, "g"), da.raw(), g.raw(), u.raw(), dg.raw(), du.raw(),
+                             g.numel(), stream_for(dev)),
+               op);
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------
+
+double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
+                     Tensor* dlogits, int64_t* valid) {
+  const char* op = "cross_entropy";
+  const int dev = logits.device().index;
+  check_on(targets, dev, op, "targets");
+  check_dtype(targets, DType::I64, op, "targets");
+  RIG_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0), "{}: logits {} targets {}", op,
+            shape_str(logits.shape()), shape_str(targets.shape()));
+  const k::T t = ktype(logits, op, "logits");
+  if (dlogits) {
+    check_on(*dlogits, dev, op, "dlogits");
+    same_shape(logits, *dlogits, op, "logits", "dlogits");
+    RIG_CHECK(dlogits->dtype() == logits.dtype(), "{}: dlogits is {} but logits are {}", op,
+              dtype_name(dlogits->dtype()), dtype_name(logits.dtype()));
+  }
+  const int64_t rows = logits.dim(0), V = logits.dim(1);
+  DeviceGuard g(dev);
+  Tensor row_loss = scratch({std::max<int64_t>(rows, 1)}, DType::F32, dev, "cross_entropy row losses");
+  Tensor res = scratch({int64_t(sizeof(k::CeResult))}, DType::U8, dev, "cross_entropy result");
+  auto* dres = static_cast<k::CeResult*>(res.raw());
+  check_status(k::cross_entropy(t, logits.raw(), targets.data<int64_t>(), rows, V, grad_scale,
+                                dlogits ? dlogits->raw() : nullptr, row_loss.f32(), dres,
+                                stream_for(dev)),
+               op);
+  k::CeResult h{};
+  RIG_CUDA_CHECK(cudaMemcpyAsync(&h, dres, sizeof(h), cudaMemcpyDeviceToHost, stream_for(dev)));
+  RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));
+  if (h.bad_row >= 0)
+    bad_input("label {} at position {} is outside the vocabulary of {}", h.bad_label, h.bad_row, V);
+  raise_device_errors(dev);
+  if (valid) *valid += h.count;
+  return h.loss;
+}
+
+// ---- element-wise -------------------------------------------------------------------------
+
+void add_(Tensor& a, const Tensor& b, float alpha) {
+  const char* op = "add_";
+  const int dev = a.device().index;
+  check_on(b, dev, op, "b");
+  RIG_CHECK(b.numel() == a.numel(), "add_: {} vs {}", shape_str(a.shape()), shape_str(b.shape()));
+  DeviceGuard g(dev);
+  check_status(k::add(ktype(a, op, "a"), a.raw(), ktype(b, op, "b"), b.raw(), alpha, a.numel(),
+                      stream_for(dev)),
+               op);
+}
+
+void scale_(Tensor& a, float s) {
+  const char* op = "scale_";
+  const int dev = a.device().index;
+  DeviceGuard g(dev);
+  check_status(k::scale(ktype(a, op, "a"), a.raw(), s, a.numel(), stream_for(dev)), op);
+}
+
+double sum_squares(const Tensor& a) {
+  const char* op = "sum_squares";
+  const int dev = a.device().index;
+  const k::T t = ktype(a, op, "a");
+  DeviceGuard g(dev);
+  const int blocks = int(std::clamp<int64_t>((a.numel() + 255) / 256, 1, 1024));
+  Tensor partial = scratch({blocks + 1}, DType::F64, dev, "sum_squares partial sums");
+  double* p = partial.data<double>();
+  check_status(k::sum_squares_partial(t, a.raw(), a.numel(), p, blocks, stream_for(dev)), op);
+  check_status(k::sum_doubles(p, blocks, p + blocks, stream_for(dev)), op);
+  double h = 0;
+  RIG_CUDA_CHECK(cudaMemcpyAsync(&h, p + blocks, sizeof(h), cudaMemcpyDeviceToHost, stream_for(dev)));
+  RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));
+  raise_device_errors(dev);
+  return h;
+}
+
+void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
+  const char* op = "dropout";
+  const int dev = x.device().index;
+  check_on(out, dev, op, "out");
+  RIG_CHECK(out.numel() == x.numel(), "dropout: x {} out {}", shape_str(x.shape()),
+            shape_str(out.shape()));
+  RIG_CHECK(p >= 0.0f && p < 1.0f, "dropout: p = {} outside [0, 1)", p);
+  DeviceGuard g(dev);
+  check_status(k::dropout(ktype(x, op, "x"), x.raw(), ktype(out, op, "out"), out.raw(), p, seed,
+                          x.numel(), stream_for(dev)),
+               op);
+}
+
+// ---- AdamW --------------------------------------------------------------------------------
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
+  const char* op = "adamw_step";
+  const int dev = param.device().index;
+  for (auto [t, n] : {std::pair{&grad, "grad"}, {&m, "m"}, {&v, "v"}}) {
+    check_on(*t, dev, op, n);
+    RIG_CHECK(t->numel() == param.numel(), "{}: {} {} for param {}", op, n, shape_str(t->shape()),
+              shape_str(param.shape()));
+  }
+  check_dtype(m, DType::F32, op, "m");
+  check_dtype(v, DType::F32, op, "v");
+  RIG_CHECK(h.step >= 1, "{}: step {} (counts from 1)", op, h.step);
+  // The scalars exactly as the CPU oracle computes them.
+  const double bc1 = 1.0 - std::pow(double(h.beta1), double(h.step));
+  const double bc2 = 1.0 - std::pow(double(h.beta2), double(h.step));
+  const float step_size = float(double(h.lr) / bc1);
+  const float bc2_sqrt = float(std::sqrt(bc2));
+  const float decay = 1.0f - h.lr * h.weight_decay;
+  DeviceGuard g(dev);
+  check_status(k::adamw(ktype(param, op, "param"), param.raw(), ktype(grad, op, "grad"), grad.raw(),
+                        m.f32(), v.f32(), param.numel(), decay, 1.0f - h.beta1, h.beta2,
+                        1.0f - h.beta2, bc2_sqrt, h.eps, step_size, stream_for(dev)),
+               op);
+}
+
+}  // namespace rig::ops::cuda

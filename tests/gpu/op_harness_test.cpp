@@ -1,0 +1,561 @@
+// The op harness (after ggml's test-backend-ops): every op runs on the CPU backend (float32, the
+// oracle) and on the CUDA backend in F32 and in BF16, on random inputs at awkward sizes, and the
+// results are compared by normalised error ||gpu - cpu|| / ||cpu||, forward and backward, with
+// accumulate semantics (gemm beta=1, dw +=) checked against non-zero starting values.
+//
+// BF16 variants round the inputs to bf16 first and give the CPU the same rounded values, so the
+// comparison measures the kernel (fp32 accumulation, one rounding of the output), not the inputs.
+// Backward checks hand both backends the same saved tensors (out, lse, rstd) for the same reason.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "rig/core/tensor.h"
+#include "rig/ops/ops.h"
+
+namespace rig {
+namespace {
+
+#define RIG_REQUIRE_GPU()                                                                    \
+  do {                                                                                       \
+    if (!rig::cuda_available())                                                              \
+      GTEST_SKIP() << "no CUDA GPU: the op harness compares the CUDA backend with the CPU " \
+                      "and needs a visible GPU in a -DRIG_CUDA=ON build";                    \
+  } while (0)
+
+const DType kDtypes[] = {DType::F32, DType::BF16};
+
+double tol(DType dt) { return dt == DType::F32 ? 1e-5 : 2e-2; }
+const char* name(DType dt) { return dt == DType::F32 ? "F32" : "BF16"; }
+
+Tensor randn(const Shape& s, std::mt19937& g, float scale = 1.0f, float shift = 0.0f) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = shift + scale * n(g);
+  return Tensor::from_f32(v, s);
+}
+
+Tensor ints(const std::vector<int64_t>& v, const Shape& s) {
+  Tensor t = Tensor::empty(s, DType::I64);
+  std::copy(v.begin(), v.end(), t.data<int64_t>());
+  return t;
+}
+
+Tensor rand_ids(int64_t n, int64_t hi, std::mt19937& g) {
+  std::uniform_int_distribution<int64_t> u(0, hi - 1);
+  std::vector<int64_t> v{};
+  v.resize(size_t(n));
+  for (auto& x : v) x = u(g);
+  return ints(v, {n});
+}
+
+// A CPU float32 copy holding exactly the values a `dt` tensor can hold.
+Tensor rounded(const Tensor& t, DType dt) {
+  return dt == DType::F32 ? t.clone() : t.to_dtype(dt).to_dtype(DType::F32);
+}
+// A device copy of a CPU tensor (float tensors converted to dt, integer tensors as they are).
+Tensor gpu(const Tensor& t, DType dt = DType::F32) {
+  if (t.dtype() != DType::F32) return t.to(Device::cuda(0));
+  return t.to_dtype(dt).to(Device::cuda(0));
+}
+// A CPU float32 copy of a device tensor.
+Tensor host(const Tensor& t) {
+  Tensor c = t.to(Device::cpu());
+  return c.dtype() == DType::F32 ? c : c.to_dtype(DType::F32);
+}
+
+double nerr(const Tensor& a, const Tensor& ref) {
+  EXPECT_EQ(a.shape(), ref.shape());
+  const float *pa = a.f32(), *pr = ref.f32();
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double d = double(pa[i]) - double(pr[i]);
+    num += d * d;
+    den += double(pr[i]) * pr[i];
+  }
+  if (!std::isfinite(num)) return INFINITY;
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+#define EXPECT_CLOSE(gpu_f32, cpu_f32, dt, what)                                           \
+  do {                                                                                     \
+    const double e_ = nerr(gpu_f32, cpu_f32);                                              \
+    EXPECT_LE(e_, tol(dt)) << (what) << " [" << name(dt) << "] normalised error " << e_; \
+  } while (0)
+
+// ---- self-test: the comparison must catch a wrong kernel ------------------------------------
+
+TEST(OpHarness, ComparisonCatchesPerturbedOutput) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(1);
+  Tensor x = randn({111, 80}, g), u = randn({111, 80}, g);
+  Tensor a = Tensor::empty(x.shape(), DType::F32);
+  ops::swiglu_forward(x, u, a);
+  Tensor dx = gpu(x), du = gpu(u), da = Tensor::empty(x.shape(), DType::F32, Device::cuda(0));
+  ops::swiglu_forward(dx, du, da);
+  Tensor out = host(da);
+  EXPECT_LE(nerr(out, a), tol(DType::F32));
+  // One wrong element, or every element off by 1e-4, must fail the F32 tolerance.
+  Tensor one = out.clone();
+  one.f32()[4321] += 0.5f;
+  EXPECT_GT(nerr(one, a), tol(DType::F32));
+  Tensor all = out.clone();
+  for (int64_t i = 0; i < all.numel(); ++i) all.f32()[i] *= 1.0001f;
+  EXPECT_GT(nerr(all, a), tol(DType::F32));
+  // A gemm called with the wrong transpose flag is caught too.
+  Tensor A = randn({64, 64}, g), B = randn({64, 64}, g), C = Tensor::zeros({64, 64}, DType::F32);
+  ops::gemm(A, false, B, false, C, 1.0f, 0.0f);
+  Tensor dC = Tensor::zeros({64, 64}, DType::F32, Device::cuda(0));
+  ops::gemm(gpu(A), false, gpu(B), true, dC, 1.0f, 0.0f);
+  EXPECT_GT(nerr(host(dC), C), 0.1);
+}
+
+TEST(OpHarness, RejectsUnsupportedDtypes) {
+  RIG_REQUIRE_GPU();
+  Tensor a = Tensor::zeros({8, 8}, DType::F32, Device::cuda(0));
+  Tensor cb = Tensor::zeros({8, 8}, DType::BF16, Device::cuda(0));
+  EXPECT_THROW(ops::gemm(a, false, a, false, cb, 1.0f, 0.0f), Error);
+  Tensor ab = Tensor::zeros({8, 8}, DType::BF16, Device::cuda(0));
+  EXPECT_THROW(ops::gemm(a, false, ab, false, a, 1.0f, 0.0f), Error);
+  Tensor h = Tensor::zeros({8, 8}, DType::F16, Device::cuda(0));
+  EXPECT_THROW(ops::scale_(h, 2.0f), Error);
+}
+
+// ---- gemm ----------------------------------------------------------------------------------
+
+struct GemmCase {
+  int64_t m, n, k;
+  bool ta, tb;
+  float alpha, beta;
+};
+
+void run_gemm(const GemmCase& c, DType dab, DType dc, std::mt19937& g, bool offset_view) {
+  const std::string what = fmt::format("gemm m={} n={} k={} ta={} tb={} alpha={} beta={} {}x{}->{}{}",
+                                       c.m, c.n, c.k, c.ta, c.tb, c.alpha, c.beta, name(dab),
+                                       name(dab), name(dc), offset_view ? " (unaligned view)" : "");
+  // With offset_view, A starts one element into its buffer: a 2- or 4-byte aligned pointer.
+  const int64_t ra = c.ta ? c.k : c.m, ca = c.ta ? c.m : c.k, off = offset_view ? 1 : 0;
+  Tensor Abuf = rounded(randn({ra * ca + 1}, g), dab);
+  Tensor A = Abuf.slice_rows(off, off + ra * ca).reshape({ra, ca}).clone();
+  Tensor B = rounded(randn({c.tb ? c.n : c.k, c.tb ? c.k : c.n}, g), dab);
+  Tensor C0 = rounded(randn({c.m, c.n}, g), dc);
+  Tensor C = C0.clone();
+  ops::gemm(A, c.ta, B, c.tb, C, c.alpha, c.beta);
+  Tensor dA = gpu(Abuf, dab).slice_rows(off, off + ra * ca).reshape({ra, ca});
+  Tensor dC = gpu(C0, dc);
+  ops::gemm(dA, c.ta, gpu(B, dab), c.tb, dC, c.alpha, c.beta);
+  EXPECT_CLOSE(host(dC), C, dc == DType::BF16 ? DType::BF16 : dab, what);
+}
+
+TEST(OpHarness, Gemm) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(2);
+  const GemmCase cases[] = {
+      {111, 989, 80, false, false, 1.0f, 0.0f}, {111, 989, 80, false, true, 0.5f, 0.0f},
+      {989, 111, 64, true, false, 1.0f, 1.0f},  {80, 111, 989, true, true, -2.0f, 1.0f},
+      {1, 1000, 111, false, true, 1.0f, 0.0f},  {111, 80, 1, false, false, 1.0f, 0.5f},
+  };
+  for (const auto& c : cases) {
+    run_gemm(c, DType::F32, DType::F32, g, false);
+    run_gemm(c, DType::BF16, DType::BF16, g, false);
+    run_gemm(c, DType::BF16, DType::F32, g, false);
+  }
+  // Views that start one element into a buffer (2-byte aligned bf16, 4-byte aligned f32).
+  run_gemm(cases[1], DType::F32, DType::F32, g, true);
+  run_gemm(cases[1], DType::BF16, DType::BF16, g, true);
+}
+
+// The weight-gradient case: dW (F32) += X^T dY from bf16 activations, twice.
+TEST(OpHarness, GemmAccumulatesWeightGradientInF32) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(3);
+  Tensor X = rounded(randn({989, 80}, g), DType::BF16), dY = rounded(randn({989, 111}, g), DType::BF16);
+  Tensor dW = randn({80, 111}, g);
+  Tensor ddW = gpu(dW, DType::F32);
+  for (int rep = 0; rep < 2; ++rep) {
+    ops::gemm(X, true, dY, false, dW, 1.0f, 1.0f);
+    ops::gemm(gpu(X, DType::BF16), true, gpu(dY, DType::BF16), false, ddW, 1.0f, 1.0f);
+  }
+  EXPECT_CLOSE(host(ddW), dW, DType::F32, "dW += X^T dY (bf16 inputs, f32 accumulator)");
+}
+
+// ---- bias ----------------------------------------------------------------------------------
+
+TEST(OpHarness, BiasForwardBackward) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(4);
+  for (DType dt : kDtypes)
+    for (int64_t rows : {111, 989}) {
+      const int64_t n = 1000;
+      Tensor y = rounded(randn({rows, n}, g), dt), b = randn({n}, g);
+      Tensor y_ref = y.clone();
+      ops::add_bias(y_ref, b);
+      Tensor dy = gpu(y, dt);
+      ops::add_bias(dy, gpu(b));
+      EXPECT_CLOSE(host(dy), y_ref, dt, fmt::format("add_bias rows={}", rows));
+
+      Tensor grad = rounded(randn({rows, n}, g), dt), db = randn({n}, g);
+      Tensor ddb = gpu(db);
+      ops::bias_backward(grad, db);
+      ops::bias_backward(gpu(grad, dt), ddb);
+      // F32 accumulator in both variants: only summation order differs.
+      EXPECT_CLOSE(host(ddb), db, DType::F32, fmt::format("bias_backward (+=) rows={} dy {}", rows, name(dt)));
+    }
+}
+
+// ---- embedding -----------------------------------------------------------------------------
+
+TEST(OpHarness, Embedding) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(5);
+  for (DType dt : kDtypes) {
+    const int64_t vocab = 50, h = 80, rows = 989;  // few tokens: many rows share one
+    Tensor table = rounded(randn({vocab, h}, g), dt);
+    Tensor ids = rand_ids(rows, vocab, g);
+    Tensor out = Tensor::empty({rows, h}, DType::F32);
+    ops::embedding_forward(ids, table, out);
+    Tensor dout_t = Tensor::empty({rows, h}, dt, Device::cuda(0));
+    Tensor dids = gpu(ids);
+    ops::embedding_forward(dids, gpu(table, dt), dout_t);
+    EXPECT_EQ(nerr(host(dout_t), out), 0.0) << "embedding_forward is a copy [" << name(dt) << "]";
+
+    Tensor grad = rounded(randn({rows, h}, g), dt), dtable = randn({vocab, h}, g);
+    Tensor ddtable = gpu(dtable);
+    ops::embedding_backward(ids, grad, dtable);
+    ops::embedding_backward(dids, gpu(grad, dt), ddtable);
+    EXPECT_CLOSE(host(ddtable), dtable, DType::F32, fmt::format("embedding_backward (+=, F32 table) dout {}", name(dt)));
+  }
+  Tensor bad = gpu(ints({1, 2, 50}, {3}));
+  Tensor table = Tensor::zeros({50, 8}, DType::F32, Device::cuda(0));
+  Tensor out = Tensor::empty({3, 8}, DType::F32, Device::cuda(0));
+  EXPECT_THROW(ops::embedding_forward(bad, table, out), InputError);
+  // The record is cleared after the report: a good call afterwards succeeds.
+  Tensor ok = gpu(ints({1, 2, 49}, {3}));
+  EXPECT_NO_THROW(ops::embedding_forward(ok, table, out));
+}
+
+// ---- rmsnorm -------------------------------------------------------------------------------
+
+TEST(OpHarness, RmsNorm) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(6);
+  for (DType dt : kDtypes)
+    for (auto [rows, h] : {std::pair<int64_t, int64_t>{111, 80}, {989, 576}, {7, 4099}}) {
+      const std::string what = fmt::format("rmsnorm rows={} h={}", rows, h);
+      Tensor x = rounded(randn({rows, h}, g, 2.0f, 0.3f), dt), w = randn({h}, g, 0.2f, 1.0f);
+      Tensor y = Tensor::empty({rows, h}, DType::F32), rstd = Tensor::empty({rows}, DType::F32);
+      ops::rmsnorm_forward(x, w, 1e-5f, y, rstd);
+      Tensor dx_ = gpu(x, dt), dy_ = Tensor::empty({rows, h}, dt, Device::cuda(0));
+      Tensor drstd = Tensor::empty({rows}, DType::F32, Device::cuda(0));
+      Tensor dw_param = gpu(w);
+      ops::rmsnorm_forward(dx_, dw_param, 1e-5f, dy_, drstd);
+      // The CPU rounds nothing; the BF16 kernel rounds x*rstd before the weight, as HF does.
+      EXPECT_CLOSE(host(dy_), y, dt, what + " y");
+      EXPECT_CLOSE(host(drstd), rstd, DType::F32, what + " rstd");
+
+      Tensor grad = rounded(randn({rows, h}, g), dt), dw = randn({h}, g);
+      Tensor dx = Tensor::empty({rows, h}, DType::F32);
+      Tensor rs = host(drstd);  // both backends use the same saved rstd
+      Tensor ddw = gpu(dw), ddx = Tensor::empty({rows, h}, dt, Device::cuda(0));
+      ops::rmsnorm_backward(grad, x, w, rs, dx, dw);
+      ops::rmsnorm_backward(gpu(grad, dt), dx_, dw_param, drstd, ddx, ddw);
+      EXPECT_CLOSE(host(ddx), dx, dt, what + " dx");
+      EXPECT_CLOSE(host(ddw), dw, DType::F32, what + " dw (+=, F32)");
+    }
+}
+
+// ---- rope ----------------------------------------------------------------------------------
+
+Tensor rope_table(int64_t positions, int64_t half, bool is_sin) {
+  std::vector<float> v(size_t(positions * half));
+  for (int64_t p = 0; p < positions; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double inv = std::pow(10000.0, -2.0 * double(i) / double(2 * half));
+      v[size_t(p * half + i)] = float(is_sin ? std::sin(double(p) * inv) : std::cos(double(p) * inv));
+    }
+  return Tensor::from_f32(v, {positions, half});
+}
+
+TEST(OpHarness, Rope) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(7);
+  for (DType dt : kDtypes)
+    for (auto [heads, d] : {std::pair<int, int64_t>{5, 80}, {6, 64}, {1, 128}}) {
+      const int64_t rows = 111, positions = 300;
+      const std::string what = fmt::format("rope heads={} head_dim={}", heads, d);
+      Tensor cos = rope_table(positions, d / 2, false), sin = rope_table(positions, d / 2, true);
+      std::vector<int64_t> pv(rows);
+      for (int64_t r = 0; r < rows; ++r) pv[size_t(r)] = (r * 37) % positions;  // packed, shuffled
+      Tensor pos = ints(pv, {rows});
+      Tensor x = rounded(randn({rows, heads * d}, g), dt);
+      Tensor dx = gpu(x, dt), dpos = gpu(pos), dcos = gpu(cos), dsin = gpu(sin);
+      Tensor ref = x.clone();
+      ops::rope_forward(ref, pos, cos, sin, heads);
+      ops::rope_forward(dx, dpos, dcos, dsin, heads);
+      EXPECT_CLOSE(host(dx), ref, dt, what + " forward");
+      Tensor back = host(dx);
+      Tensor gb = gpu(back, dt);
+      ops::rope_backward(back, pos, cos, sin, heads);
+      ops::rope_backward(gb, dpos, dcos, dsin, heads);
+      EXPECT_CLOSE(host(gb), back, dt, what + " backward");
+      EXPECT_CLOSE(host(gb), x, dt, what + " backward(forward(x)) == x");
+    }
+  // A position outside the table is reported at the next synchronising op.
+  Tensor x = Tensor::zeros({2, 8}, DType::F32, Device::cuda(0));
+  Tensor t = gpu(rope_table(4, 4, false));
+  ops::rope_forward(x, gpu(ints({0, 4}, {2})), t, t, 1);
+  EXPECT_THROW(ops::sum_squares(x), InputError);
+  EXPECT_NO_THROW(ops::sum_squares(x));
+}
+
+// ---- attention -----------------------------------------------------------------------------
+
+struct AttnCase {
+  int64_t B, T, Hq, Hk, D;
+  bool packed;
+};
+
+Tensor segments(int64_t B, int64_t T) {
+  // Documents of uneven lengths per batch row (some of length 1).
+  std::vector<int64_t> v(size_t(B * T));
+  const int64_t lens[] = {17, 1, 40, 3, 64, 29};
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t s = 0, left = lens[b % 6];
+    for (int64_t t = 0; t < T; ++t) {
+      if (left-- == 0) {
+        ++s;
+        left = lens[size_t((b + s) % 6)] - 1;
+      }
+      v[size_t(b * T + t)] = s;
+    }
+  }
+  return ints(v, {B, T});
+}
+
+TEST(OpHarness, Attention) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(8);
+  const AttnCase cases[] = {
+      {2, 111, 6, 2, 64, true}, {1, 111, 5, 1, 80, false}, {1, 300, 4, 4, 128, true},
+      {3, 33, 2, 1, 32, false}, {1, 70, 3, 3, 96, true},  {1, 40, 2, 2, 256, false},
+  };
+  for (const auto& c : cases)
+    for (DType dt : kDtypes) {
+      const std::string what = fmt::format("attention B={} T={} Hq={} Hk={} D={}{}", c.B, c.T, c.Hq,
+                                           c.Hk, c.D, c.packed ? " packed" : "");
+      Tensor q = rounded(randn({c.B, c.T, c.Hq, c.D}, g), dt);
+      Tensor k = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
+      Tensor v = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
+      Tensor seg = c.packed ? segments(c.B, c.T) : Tensor();
+      Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32);
+      ops::attention_forward(q, k, v, seg, out, lse);
+
+      Tensor dq_ = gpu(q, dt), dk_ = gpu(k, dt), dv_ = gpu(v, dt);
+      Tensor dseg = c.packed ? gpu(seg) : Tensor();
+      Tensor dout_ = Tensor::empty(q.shape(), dt, Device::cuda(0));
+      Tensor dlse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32, Device::cuda(0));
+      ops::attention_forward(dq_, dk_, dv_, dseg, dout_, dlse);
+      EXPECT_CLOSE(host(dout_), out, dt, what + " out");
+      EXPECT_CLOSE(host(dlse), lse, DType::F32, what + " lse");
+
+      // Backward from the GPU's own saved out/lse, given to both backends.
+      Tensor go = rounded(randn(q.shape(), g), dt);
+      Tensor o_saved = host(dout_), l_saved = host(dlse);
+      Tensor gq = Tensor::empty(q.shape(), DType::F32), gk = Tensor::empty(k.shape(), DType::F32),
+             gv = Tensor::empty(k.shape(), DType::F32);
+      ops::attention_backward(go, q, k, v, seg, o_saved, l_saved, gq, gk, gv);
+      Tensor dgq = Tensor::empty(q.shape(), dt, Device::cuda(0));
+      Tensor dgk = Tensor::empty(k.shape(), dt, Device::cuda(0));
+      Tensor dgv = Tensor::empty(k.shape(), dt, Device::cuda(0));
+      ops::attention_backward(gpu(go, dt), dq_, dk_, dv_, dseg, dout_, dlse, dgq, dgk, dgv);
+      EXPECT_CLOSE(host(dgq), gq, dt, what + " dq");
+      EXPECT_CLOSE(host(dgk), gk, dt, what + " dk");
+      EXPECT_CLOSE(host(dgv), gv, dt, what + " dv");
+    }
+}
+
+// Running backward twice gives bit-identical dk/dv (no atomics in the kernel).
+TEST(OpHarness, AttentionBackwardIsDeterministic) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(9);
+  const Shape qs{2, 111, 6, 64}, ks{2, 111, 2, 64};
+  Tensor q = gpu(randn(qs, g), DType::BF16), k = gpu(randn(ks, g), DType::BF16),
+         v = gpu(randn(ks, g), DType::BF16), go = gpu(randn(qs, g), DType::BF16);
+  Tensor out = Tensor::empty(qs, DType::BF16, Device::cuda(0));
+  Tensor lse = Tensor::empty({2, 6, 111}, DType::F32, Device::cuda(0));
+  ops::attention_forward(q, k, v, Tensor(), out, lse);
+  std::vector<Tensor> res;
+  for (int rep = 0; rep < 2; ++rep) {
+    Tensor dq = Tensor::empty(qs, DType::BF16, Device::cuda(0));
+    Tensor dk = Tensor::empty(ks, DType::BF16, Device::cuda(0));
+    Tensor dv = Tensor::empty(ks, DType::BF16, Device::cuda(0));
+    ops::attention_backward(go, q, k, v, Tensor(), out, lse, dq, dk, dv);
+    res.push_back(host(dk));
+    res.push_back(host(dv));
+  }
+  EXPECT_EQ(nerr(res[0], res[2]), 0.0);
+  EXPECT_EQ(nerr(res[1], res[3]), 0.0);
+}
+
+// ---- swiglu --------------------------------------------------------------------------------
+
+TEST(OpHarness, SwiGlu) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(10);
+  for (DType dt : kDtypes) {
+    const Shape s{989, 111};
+    Tensor gt = rounded(randn(s, g, 3.0f), dt), u = rounded(randn(s, g), dt);
+    Tensor a = Tensor::empty(s, DType::F32);
+    ops::swiglu_forward(gt, u, a);
+    Tensor dg_ = gpu(gt, dt), du_ = gpu(u, dt), da_ = Tensor::empty(s, dt, Device::cuda(0));
+    ops::swiglu_forward(dg_, du_, da_);
+    EXPECT_CLOSE(host(da_), a, dt, "swiglu forward");
+
+    Tensor da = rounded(randn(s, g), dt);
+    Tensor dg = Tensor::empty(s, DType::F32), du = Tensor::empty(s, DType::F32);
+    ops::swiglu_backward(da, gt, u, dg, du);
+    Tensor ddg = Tensor::empty(s, dt, Device::cuda(0)), ddu = Tensor::empty(s, dt, Device::cuda(0));
+    ops::swiglu_backward(gpu(da, dt), dg_, du_, ddg, ddu);
+    EXPECT_CLOSE(host(ddg), dg, dt, "swiglu dg");
+    EXPECT_CLOSE(host(ddu), du, dt, "swiglu du");
+  }
+}
+
+// ---- cross-entropy -------------------------------------------------------------------------
+
+TEST(OpHarness, CrossEntropy) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(11);
+  for (DType dt : kDtypes)
+    for (int64_t V : {1000, 32003})
+      for (bool in_place : {false, true}) {
+        const int64_t rows = 111;
+        const std::string what = fmt::format("cross_entropy V={}{}", V, in_place ? " in place" : "");
+        Tensor logits = rounded(randn({rows, V}, g, 3.0f), dt);
+        std::vector<int64_t> tv(rows);
+        std::uniform_int_distribution<int64_t> u(0, V - 1);
+        for (int64_t r = 0; r < rows; ++r) tv[size_t(r)] = r % 7 == 3 ? -100 : u(g);
+        tv[0] = V - 1;
+        Tensor targets = ints(tv, {rows});
+        const float scale = 1.0f / 95.0f;
+        Tensor dl = Tensor::empty({rows, V}, DType::F32);
+        int64_t valid = 5, dvalid = 5;  // counts are added to
+        const double loss = ops::cross_entropy(logits, targets, scale, &dl, &valid);
+
+        Tensor dlog = gpu(logits, dt);
+        Tensor dgrad = in_place ? dlog : Tensor::empty({rows, V}, dt, Device::cuda(0));
+        const double dloss = ops::cross_entropy(dlog, gpu(targets), scale, &dgrad, &dvalid);
+        EXPECT_EQ(dvalid, valid) << what;
+        EXPECT_LE(std::abs(dloss - loss) / std::abs(loss), 1e-5) << what << " [" << name(dt) << "] loss " << dloss << " vs " << loss;
+        EXPECT_CLOSE(host(dgrad), dl, dt, what + " dlogits");
+
+        // Loss only, no gradient.
+        int64_t nv = 0;
+        const double l2 = ops::cross_entropy(gpu(logits, dt), gpu(targets), scale, nullptr, &nv);
+        EXPECT_LE(std::abs(l2 - loss) / std::abs(loss), 1e-5) << what << " without dlogits";
+      }
+  Tensor logits = Tensor::zeros({2, 10}, DType::F32, Device::cuda(0));
+  EXPECT_THROW(ops::cross_entropy(logits, gpu(ints({3, 10}, {2})), 1.0f, nullptr, nullptr), InputError);
+}
+
+// ---- element-wise --------------------------------------------------------------------------
+
+TEST(OpHarness, AddScaleSumSquares) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(12);
+  for (DType da : kDtypes)
+    for (DType db : kDtypes) {
+      const Shape s{989, 111};
+      Tensor a = rounded(randn(s, g), da), b = rounded(randn(s, g), db);
+      Tensor ga = gpu(a, da);
+      ops::add_(a, b, -0.75f);
+      ops::add_(ga, gpu(b, db), -0.75f);
+      EXPECT_CLOSE(host(ga), a, da, fmt::format("add_ a {} b {}", name(da), name(db)));
+    }
+  for (DType dt : kDtypes) {
+    Tensor a = rounded(randn({111, 989}, g), dt);
+    Tensor ga = gpu(a, dt);
+    ops::scale_(a, 0.3f);
+    ops::scale_(ga, 0.3f);
+    EXPECT_CLOSE(host(ga), a, dt, "scale_");
+    Tensor b = rounded(randn({1000003}, g), dt);
+    const double ref = ops::sum_squares(b), got = ops::sum_squares(gpu(b, dt));
+    EXPECT_LE(std::abs(got - ref) / ref, 1e-9) << "sum_squares [" << name(dt) << "]";
+  }
+}
+
+// The CUDA mask differs from the CPU one (counter-based hash vs mt19937), so the check is on its
+// properties: p=0 copies, kept values are x/(1-p), the keep rate is 1-p, same seed same mask.
+TEST(OpHarness, Dropout) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(13);
+  const Shape s{989, 111};
+  Tensor x = randn(s, g, 1.0f, 3.0f);  // no zeros in x
+  Tensor gx = gpu(x);
+  Tensor out = Tensor::empty(s, DType::F32, Device::cuda(0));
+  ops::dropout(gx, 0.0f, 1, out);
+  EXPECT_EQ(nerr(host(out), x), 0.0);
+  const float p = 0.3f;
+  ops::dropout(gx, p, 42, out);
+  Tensor o1 = host(out);
+  int64_t kept = 0;
+  double worst = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (o1.f32()[i] == 0.0f) continue;
+    ++kept;
+    worst = std::max(worst, double(std::abs(o1.f32()[i] - x.f32()[i] / (1.0f - p))));
+  }
+  EXPECT_LE(worst, 1e-5);
+  EXPECT_NEAR(double(kept) / double(x.numel()), 1.0 - p, 0.01);
+  ops::dropout(gx, p, 42, out);
+  EXPECT_EQ(nerr(host(out), o1), 0.0) << "same seed, same mask";
+  ops::dropout(gx, p, 43, out);
+  EXPECT_GT(nerr(host(out), o1), 0.1) << "another seed, another mask";
+  Tensor ob = Tensor::empty(s, DType::BF16, Device::cuda(0));
+  ops::dropout(gpu(x, DType::BF16), p, 42, ob);
+  Tensor hb = host(ob);
+  int64_t same_mask = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) same_mask += (hb.f32()[i] == 0.0f) == (o1.f32()[i] == 0.0f);
+  EXPECT_EQ(same_mask, x.numel()) << "the mask depends on (seed, index) only, not the dtype";
+}
+
+// ---- AdamW ---------------------------------------------------------------------------------
+
+TEST(OpHarness, AdamW) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(14);
+  const ops::AdamWParams base{0.1f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+  for (DType pt : kDtypes)
+    for (DType gt : kDtypes) {
+      const Shape s{111, 989};
+      Tensor p = rounded(randn(s, g), pt), p0 = p.clone();
+      Tensor m = Tensor::zeros(s, DType::F32), v = Tensor::zeros(s, DType::F32);
+      Tensor gp = gpu(p, pt), gm = gpu(m), gv = gpu(v);
+      for (int64_t step = 1; step <= 3; ++step) {
+        Tensor grad = rounded(randn(s, g, 0.1f), gt);
+        ops::AdamWParams h = base;
+        h.step = step;
+        ops::adamw_step(p, grad, m, v, h);
+        ops::adamw_step(gp, gpu(grad, gt), gm, gv, h);
+        if (pt == DType::BF16) p = rounded(p, DType::BF16);  // the oracle holds what bf16 can
+      }
+      const std::string what = fmt::format("adamw param {} grad {}", name(pt), name(gt));
+      EXPECT_CLOSE(host(gm), m, DType::F32, what + " m");
+      EXPECT_CLOSE(host(gv), v, DType::F32, what + " v");
+      if (pt == DType::F32) {
+        // Compare the update itself, not the (much larger) parameter.
+        Tensor du = host(gp), cu = p.clone();
+        ops::add_(du, p0, -1.0f);
+        ops::add_(cu, p0, -1.0f);
+        EXPECT_CLOSE(du, cu, DType::F32, what + " update");
+      } else {
+        EXPECT_CLOSE(host(gp), p, DType::BF16, what + " param");
+      }
+    }
+}
+
+}  // namespace
+}  // namespace rig

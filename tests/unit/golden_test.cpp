@@ -162,7 +162,9 @@ TEST_P(Golden, LoraAdamWFiveStepsMatchPeft) {
     opt.clip_and_step(m->params(), oc.lr);
   }
   for (auto& p : m->params())
-    if (p.trainable) EXPECT_LT(rel_err(p.value, ref.get_f32("trained." + p.name)), 1e-4) << p.name;
+    if (p.trainable) {
+      EXPECT_LT(rel_err(p.value, ref.get_f32("trained." + p.name)), 1e-4) << p.name;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, Golden, ::testing::Values("tiny-llama3", "tiny-qwen2"));

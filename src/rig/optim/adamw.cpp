@@ -63,16 +63,4 @@ void AdamW::load_state(const std::map<std::string, Tensor>& tensors, int64_t ste
   }
 }
 
-float Schedule::lr_at(float base, int64_t step) const {
-  if (warmup_steps > 0 && step < warmup_steps)
-    return base * float(step + 1) / float(warmup_steps);
-  if (name == "constant" || total_steps <= warmup_steps) return base;
-  const double progress =
-      std::clamp(double(step - warmup_steps) / double(total_steps - warmup_steps), 0.0, 1.0);
-  if (name == "linear") return base * float(std::max<double>(min_lr_ratio, 1.0 - progress));
-  if (name == "cosine")
-    return base * float(min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
-  bad_input("schedule '{}' is not one of constant, linear, cosine", name);
-}
-
 }  // namespace rig

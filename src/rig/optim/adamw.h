@@ -37,18 +37,4 @@ class AdamW {
 // Global L2 norm of the gradients of trainable parameters.
 double grad_norm(const std::vector<Param>& params);
 
-// Learning rate at optimizer step `step` (0-based), documented in docs/config-reference.md:
-//   warm-up (step < warmup): lr * (step + 1) / warmup
-//   constant: lr
-//   linear:   lr * max(min_ratio, (total - step) / (total - warmup))
-//   cosine:   lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))),
-//             progress = (step - warmup) / (total - warmup)
-struct Schedule {
-  std::string name = "constant";  // constant, linear, cosine
-  int64_t warmup_steps = 0;
-  int64_t total_steps = 0;
-  float min_lr_ratio = 0.0f;
-  float lr_at(float base_lr, int64_t step) const;
-};
-
 }  // namespace rig

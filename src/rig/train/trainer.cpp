@@ -338,16 +338,30 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     std::string dir = save_checkpoint(run, s, ts, st, cfg.save.keep_last);
     say(fmt::format("saved checkpoint {}", dir));
   };
-  auto run_eval = [&](int64_t s) -> double {
-    if (!data.eval) return -1;
+  TrainResult result;
+  // Held-out loss, and when asked, exact match of greedily generated responses.
+  auto run_eval = [&](int64_t s, bool final_eval) {
+    if (!data.eval) return;
     auto e = evaluate(*model, *data.eval, cfg.sequence_len, cfg.micro_batch_size, cfg.eval.batches);
-    metrics.log_eval(s, e.loss, {{"eval_perplexity", std::exp(e.loss)}});
-    say(fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s, e.loss, std::exp(e.loss), e.tokens));
-    return e.loss;
+    json extra = {{"eval_perplexity", std::exp(e.loss)}};
+    std::string line = fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s,
+                                   e.loss, std::exp(e.loss), e.tokens);
+    if (cfg.eval.generate > 0) {
+      auto em = exact_match(*model, *data.eval, tok, cfg.eval.generate, final_eval ? 5 : 0);
+      extra["eval_exact_match"] = em.exact_match;
+      line += fmt::format(", exact match {:.1f}%", 100 * em.exact_match);
+      if (final_eval) {
+        result.exact_match = em.exact_match;
+        result.samples = em.samples;
+      }
+    }
+    metrics.log_eval(s, e.loss, extra);
+    say(line);
+    result.eval_loss = e.loss;
   };
 
-  TrainResult result;
   cpu_allocator().reset_peak();
+  if (!ckpt && cfg.eval.every > 0) run_eval(0, false);  // the starting point of the curve
   while (step < total) {
     if (hooks.should_stop && hooks.should_stop()) {
       save(step);
@@ -392,7 +406,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     metrics.log(m);
     if (progress) progress->update(m);
     result.final_loss = loss;
-    if (cfg.eval.every > 0 && step % cfg.eval.every == 0 && step < total) run_eval(step);
+    if (cfg.eval.every > 0 && step % cfg.eval.every == 0 && step < total) run_eval(step, false);
     if (cfg.save.every > 0 && step % cfg.save.every == 0 && step < total) save(step);
   }
   result.steps = step;
@@ -400,15 +414,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   if (result.interrupted) return result;
 
   save(step);
-  result.eval_loss = run_eval(step);
-  if (data.eval && cfg.eval.generate > 0) {
-    auto em = exact_match(*model, *data.eval, tok, cfg.eval.generate, 5);
-    result.exact_match = em.exact_match;
-    result.samples = em.samples;
-    metrics.log_eval(step, result.eval_loss, {{"eval_exact_match", em.exact_match}});
-    say(fmt::format("held-out exact match: {:.1f}% of {} samples", 100 * em.exact_match,
-                    std::min<int64_t>(cfg.eval.generate, int64_t(data.eval->size()))));
-  }
+  run_eval(step, true);
   // The result, in the formats other tools load.
   fs::path out = fs::path(run) / "final";
   if (model->has_lora()) {

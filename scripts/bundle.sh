@@ -19,6 +19,8 @@ for b in "${bins[@]}"; do
   done
 done
 if command -v patchelf >/dev/null; then
-  for b in "${bins[@]}"; do patchelf --set-rpath '$ORIGIN/lib' "$out/$(basename "$b")"; done
+  # DT_RPATH (not RUNPATH) so that libraries' own dependencies are found there too.
+  for b in "${bins[@]}"; do patchelf --force-rpath --set-rpath '$ORIGIN/lib' "$out/$(basename "$b")"; done
+  for l in "$out"/lib/*; do patchelf --force-rpath --set-rpath '$ORIGIN' "$l"; done
 fi
 echo "bundled ${#bins[@]} binaries and $(ls "$out/lib" | wc -l) libraries into $out"

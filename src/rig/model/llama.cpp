@@ -40,7 +40,10 @@ struct LlamaModel::Acts {
 namespace {
 enum { Q, K, V, O, GATE, UP, DOWN };
 
-Tensor fresh(const Shape& s, const char* what) { return Tensor::empty(s, DType::F32, Device::cpu(), what); }
+Tensor fresh_on(Device d, const Shape& s, const char* what) { return Tensor::empty(s, DType::F32, d, what); }
+Tensor fresh(const Shape& s, const char* what) { return fresh_on(Device::cpu(), s, what); }
+// Scratch on the device of `like`.
+Tensor fresh_like(const Tensor& like, const Shape& s, const char* what) { return fresh_on(like.device(), s, what); }
 
 uint64_t mix_seed(uint64_t seed, int layer, int proj) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 0xBF58476D1CE4E5B9ull + uint64_t(proj + 1);
@@ -121,6 +124,19 @@ void LlamaModel::build(const ModelConfig& cfg) {
   lm_head_ = cfg.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->value;
 }
 
+void LlamaModel::to_device(Device dev) {
+  if (dev == dev_) return;
+  for (auto& p : params_) {
+    p.value = p.value.to(dev, "parameter");
+    if (p.grad.defined()) p.grad = p.grad.to(dev, "gradient");
+  }
+  dev_ = dev;
+  embed_ = params_.front().value;
+  final_norm_ = find_param("model.norm.weight")->value;
+  lm_head_ = cfg_.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->value;
+  rope_cos_ = rope_sin_ = Tensor();
+}
+
 Param* LlamaModel::find_param(const std::string& name) {
   for (auto& p : params_)
     if (p.name == name) return &p;
@@ -176,9 +192,9 @@ void LlamaModel::add_lora(const LoraConfig& lora, uint64_t seed) {
       std::uniform_real_distribution<float> uni(-1.0f / std::sqrt(float(in)), 1.0f / std::sqrt(float(in)));
       for (int64_t i = 0; i < a.numel(); ++i) a.f32()[i] = uni(rng);
       lin.lora_a = int(params_.size());
-      register_param(pre + ".lora_A.default.weight", a, false);
+      register_param(pre + ".lora_A.default.weight", a.to(dev_, "lora_A"), false);
       lin.lora_b = int(params_.size());
-      register_param(pre + ".lora_B.default.weight", b, false);
+      register_param(pre + ".lora_B.default.weight", b.to(dev_, "lora_B"), false);
       lin.lora_scale = lora.scaling();
       lin.lora_dropout = lora.dropout;
     }
@@ -281,6 +297,8 @@ void LlamaModel::ensure_rope(int64_t positions) {
       rope_cos_.f32()[p * half + i] = std::cos(ang);
       rope_sin_.f32()[p * half + i] = std::sin(ang);
     }
+  rope_cos_ = rope_cos_.to(dev_, "rope cos");
+  rope_sin_ = rope_sin_.to(dev_, "rope sin");
 }
 
 namespace {
@@ -297,10 +315,10 @@ void linear_forward(const LinearRefs& L, float scale, float p, uint64_t seed, co
   if (!L.a.defined()) return;
   Tensor xd = x;
   if (p > 0) {
-    xd = fresh(x.shape(), "lora dropout");
+    xd = fresh_like(x, x.shape(), "lora dropout");
     ops::dropout(x, p, seed, xd);
   }
-  *xa = fresh({x.dim(0), L.a.dim(0)}, "lora xa");
+  *xa = fresh_like(x, {x.dim(0), L.a.dim(0)}, "lora xa");
   ops::gemm(xd, false, L.a, true, *xa, 1.0f, 0.0f);
   ops::gemm(*xa, false, L.bl, true, y, scale, 1.0f);
 }
@@ -313,16 +331,16 @@ void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, c
   ops::gemm(dy, false, L.w, false, dx, 1.0f, accumulate ? 1.0f : 0.0f);
   if (!L.a.defined()) return;
   if (L.dbl) ops::gemm(dy, true, xa, false, *L.dbl, scale, 1.0f);
-  Tensor dxa = fresh(xa.shape(), "lora dxa");
+  Tensor dxa = fresh_like(x, xa.shape(), "lora dxa");
   ops::gemm(dy, false, L.bl, false, dxa, scale, 0.0f);
   Tensor xd = x;
   if (p > 0) {
-    xd = fresh(x.shape(), "lora dropout");
+    xd = fresh_like(x, x.shape(), "lora dropout");
     ops::dropout(x, p, seed, xd);
   }
   if (L.da) ops::gemm(dxa, true, xd, false, *L.da, 1.0f, 1.0f);
   if (p > 0) {
-    Tensor dxd = fresh(x.shape(), "lora dx");
+    Tensor dxd = fresh_like(x, x.shape(), "lora dx");
     ops::gemm(dxa, false, L.a, false, dxd, 1.0f, 0.0f);
     ops::dropout(dxd, p, seed, xd);  // the same mask and 1/(1-p)
     ops::add_(dx, xd);
@@ -360,39 +378,39 @@ void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenB
                    y, &a.xa[p]);
   };
   a.h_in = h_in;
-  a.xn1 = fresh({N, H}, "xn1");
-  a.rstd1 = fresh({N}, "rstd");
+  a.xn1 = fresh_on(dev_, {N, H}, "xn1");
+  a.rstd1 = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h_in, params_[size_t(L.in_norm)].value, eps, a.xn1, a.rstd1);
-  a.q = fresh({N, cfg_.q_dim()}, "q");
-  a.k = fresh({N, cfg_.kv_dim()}, "k");
-  a.v = fresh({N, cfg_.kv_dim()}, "v");
+  a.q = fresh_on(dev_, {N, cfg_.q_dim()}, "q");
+  a.k = fresh_on(dev_, {N, cfg_.kv_dim()}, "k");
+  a.v = fresh_on(dev_, {N, cfg_.kv_dim()}, "v");
   lin(Q, a.xn1, a.q);
   lin(K, a.xn1, a.k);
   lin(V, a.xn1, a.v);
   ops::rope_forward(a.q, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_heads));
   ops::rope_forward(a.k, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_kv_heads));
-  a.attn = fresh({N, cfg_.q_dim()}, "attention out");
-  a.lse = fresh({B, cfg_.num_heads, T}, "attention lse");
+  a.attn = fresh_on(dev_, {N, cfg_.q_dim()}, "attention out");
+  a.lse = fresh_on(dev_, {B, cfg_.num_heads, T}, "attention lse");
   Tensor o4 = a.attn.reshape({B, T, cfg_.num_heads, D});
   ops::attention_forward(a.q.reshape({B, T, cfg_.num_heads, D}),
                          a.k.reshape({B, T, cfg_.num_kv_heads, D}),
                          a.v.reshape({B, T, cfg_.num_kv_heads, D}), b.segment_ids, o4, a.lse);
   a.h_mid = h_in.clone("residual");
-  Tensor o = fresh({N, H}, "o");
+  Tensor o = fresh_on(dev_, {N, H}, "o");
   lin(O, a.attn, o);
   ops::add_(a.h_mid, o);
   o = Tensor();
-  a.xn2 = fresh({N, H}, "xn2");
-  a.rstd2 = fresh({N}, "rstd");
+  a.xn2 = fresh_on(dev_, {N, H}, "xn2");
+  a.rstd2 = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
-  a.g = fresh({N, F}, "gate");
-  a.u = fresh({N, F}, "up");
+  a.g = fresh_on(dev_, {N, F}, "gate");
+  a.u = fresh_on(dev_, {N, F}, "up");
   lin(GATE, a.xn2, a.g);
   lin(UP, a.xn2, a.u);
-  a.act = fresh({N, F}, "swiglu");
+  a.act = fresh_on(dev_, {N, F}, "swiglu");
   ops::swiglu_forward(a.g, a.u, a.act);
   a.h_out = a.h_mid.clone("residual");
-  Tensor d = fresh({N, H}, "down");
+  Tensor d = fresh_on(dev_, {N, H}, "down");
   lin(DOWN, a.act, d);
   ops::add_(a.h_out, d);
 }
@@ -412,28 +430,28 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
   auto norm_grad = [&](int idx) -> Tensor& {
     static thread_local Tensor dummy;
     if (params_[size_t(idx)].grad.defined()) return params_[size_t(idx)].grad;
-    dummy = Tensor::zeros(params_[size_t(idx)].value.shape(), DType::F32, dh.device(), "frozen norm grad");
+    dummy = Tensor::zeros(params_[size_t(idx)].value.shape(), DType::F32, dev_, "frozen norm grad");
     return dummy;
   };
   // MLP
-  Tensor dact = fresh({N, F}, "d swiglu");
+  Tensor dact = fresh_on(dev_, {N, F}, "d swiglu");
   lin_bwd(DOWN, a.act, dh, dact, false);
-  Tensor dg = fresh({N, F}, "d gate"), du = fresh({N, F}, "d up");
+  Tensor dg = fresh_on(dev_, {N, F}, "d gate"), du = fresh_on(dev_, {N, F}, "d up");
   ops::swiglu_backward(dact, a.g, a.u, dg, du);
   dact = Tensor();
-  Tensor dxn = fresh({N, H}, "d xn2");
+  Tensor dxn = fresh_on(dev_, {N, H}, "d xn2");
   lin_bwd(GATE, a.xn2, dg, dxn, false);
   lin_bwd(UP, a.xn2, du, dxn, true);
   dg = du = Tensor();
-  Tensor dtmp = fresh({N, H}, "d norm");
+  Tensor dtmp = fresh_on(dev_, {N, H}, "d norm");
   ops::rmsnorm_backward(dxn, a.h_mid, params_[size_t(L.post_norm)].value, a.rstd2, dtmp,
                         norm_grad(L.post_norm));
   ops::add_(dh, dtmp);
   // Attention
-  Tensor dattn = fresh({N, cfg_.q_dim()}, "d attention");
+  Tensor dattn = fresh_on(dev_, {N, cfg_.q_dim()}, "d attention");
   lin_bwd(O, a.attn, dh, dattn, false);
-  Tensor dq = fresh({N, cfg_.q_dim()}, "dq"), dk = fresh({N, cfg_.kv_dim()}, "dk"),
-         dv = fresh({N, cfg_.kv_dim()}, "dv");
+  Tensor dq = fresh_on(dev_, {N, cfg_.q_dim()}, "dq"), dk = fresh_on(dev_, {N, cfg_.kv_dim()}, "dk"),
+         dv = fresh_on(dev_, {N, cfg_.kv_dim()}, "dv");
   const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads;
   Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}), dv4 = dv.reshape({B, T, Hk, D});
   ops::attention_backward(dattn.reshape({B, T, Hq, D}), a.q.reshape({B, T, Hq, D}),
@@ -469,19 +487,24 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     max_pos = std::max(max_pos, p);
   }
   ensure_rope(max_pos + 1);
+  cur_pos_ = cur_pos_.to(dev_, "positions");
+  // The batch arrives on the host; the layers need ids and segments where they run.
+  const TokenBatch& host = batch;
+  TokenBatch dbatch{ids.to(dev_, "input ids"), host.labels, {},
+                    host.segment_ids.defined() ? host.segment_ids.to(dev_, "segments") : Tensor()};
   const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
   const bool ckpt = opt.checkpointing == Checkpointing::Full;
 
-  Tensor h = fresh({N, H}, "embeddings");
-  ops::embedding_forward(ids.reshape({N}), embed_, h);
+  Tensor h = fresh_on(dev_, {N, H}, "embeddings");
+  ops::embedding_forward(dbatch.input_ids.reshape({N}), embed_, h);
   std::vector<Acts> acts(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
-    layer_forward(int(l), h, acts[l], batch, seed);
+    layer_forward(int(l), h, acts[l], dbatch, seed);
     h = acts[l].h_out;
     if (ckpt || !opt.backward) acts[l].drop_all_but_input();
     if (!opt.backward) acts[l] = Acts{};
   }
-  Tensor hn = fresh({N, H}, "final norm"), rstd = fresh({N}, "rstd");
+  Tensor hn = fresh_on(dev_, {N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
 
   // Targets: labels shifted left by one; the last position of each row has none.
@@ -493,17 +516,18 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     targets.data<int64_t>()[r] = lab;
     valid += lab != -100;
   }
+  targets = targets.to(dev_, "targets");
   const float scale = opt.grad_scale > 0 ? opt.grad_scale : (valid ? 1.0f / float(valid) : 0.0f);
   if (opt.logits) *opt.logits = Tensor::empty({B, T, Vv}, DType::F32, Device::cpu(), "logits");
 
   StepResult res;
   Param* head = cfg_.tie_word_embeddings ? &params_.front() : find_param("lm_head.weight");
-  Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, Device::cpu(), "d final norm") : Tensor();
+  Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, dev_, "d final norm") : Tensor();
   const int64_t chunk = std::max<int64_t>(1, opt.loss_chunk_rows);
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t r1 = std::min(N, r0 + chunk);
     Tensor x = hn.slice_rows(r0, r1);
-    Tensor logits = fresh({r1 - r0, Vv}, "logits chunk");
+    Tensor logits = fresh_on(dev_, {r1 - r0, Vv}, "logits chunk");
     ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
     if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
     Tensor tg = targets.slice_rows(r0, r1);
@@ -515,17 +539,18 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   }
   if (!opt.backward) return res;
 
-  Tensor dh = fresh({N, H}, "d hidden");
+  Tensor dh = fresh_on(dev_, {N, H}, "d hidden");
   Param* fn = find_param("model.norm.weight");
-  Tensor dfn = fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, Device::cpu(), "frozen");
+  Tensor dfn = fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
   ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
   dhn = hn = Tensor();
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
-    if (ckpt) layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], batch, seed);
-    layer_backward(l, acts[size_t(l)], dh, batch, seed);
+    if (ckpt) layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
+    layer_backward(l, acts[size_t(l)], dh, dbatch, seed);
     acts[size_t(l)] = Acts{};
   }
-  if (params_.front().grad.defined()) ops::embedding_backward(ids.reshape({N}), dh, params_.front().grad);
+  if (params_.front().grad.defined())
+    ops::embedding_backward(dbatch.input_ids.reshape({N}), dh, params_.front().grad);
   return res;
 }
 
@@ -552,7 +577,9 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
     posv.data<int64_t>()[0] = pos;
     Tensor idv = Tensor::empty({1}, DType::I64);
     idv.data<int64_t>()[0] = tok;
-    Tensor h = fresh({1, H}, "decode"), xn = fresh({1, H}, "decode"), rs = fresh({1}, "decode");
+    Tensor h = fresh_on(dev_, {1, H}, "decode"), xn = fresh_on(dev_, {1, H}, "decode"), rs = fresh_on(dev_, {1}, "decode");
+    posv = posv.to(dev_, "position");
+    idv = idv.to(dev_, "token");
     ops::embedding_forward(idv, embed_, h);
     for (size_t l = 0; l < layers_.size(); ++l) {
       Layer& L = *layers_[l];
@@ -561,13 +588,17 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
         linear_forward(RIG_LIN(L.proj[p]), L.proj[p].lora_scale, 0.0f, 0, x, y, &xa);
       };
       ops::rmsnorm_forward(h, params_[size_t(L.in_norm)].value, eps, xn, rs);
-      Tensor q = fresh({1, cfg_.q_dim()}, "q"), k = cache.k[l].slice_rows(pos, pos + 1),
-             v = cache.v[l].slice_rows(pos, pos + 1);
-      lin(Q, xn, q);
-      lin(K, xn, k);
-      lin(V, xn, v);
-      ops::rope_forward(q, posv, rope_cos_, rope_sin_, int(Hq));
-      ops::rope_forward(k, posv, rope_cos_, rope_sin_, int(Hk));
+      // Projections run where the model is; the cache and this single-row attention on the host.
+      Tensor qd = fresh_on(dev_, {1, cfg_.q_dim()}, "q"), kd = fresh_on(dev_, {1, cfg_.kv_dim()}, "k"),
+             vd = fresh_on(dev_, {1, cfg_.kv_dim()}, "v");
+      lin(Q, xn, qd);
+      lin(K, xn, kd);
+      lin(V, xn, vd);
+      ops::rope_forward(qd, posv, rope_cos_, rope_sin_, int(Hq));
+      ops::rope_forward(kd, posv, rope_cos_, rope_sin_, int(Hk));
+      cache.k[l].slice_rows(pos, pos + 1).copy_from(kd);
+      cache.v[l].slice_rows(pos, pos + 1).copy_from(vd);
+      Tensor q = qd.to(Device::cpu(), "q");
       Tensor att = Tensor::zeros({1, cfg_.q_dim()}, DType::F32, Device::cpu(), "attention");
       const float sc = 1.0f / std::sqrt(float(D));
       std::vector<float> s(size_t(pos + 1));
@@ -591,11 +622,11 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
           for (int64_t x = 0; x < D; ++x) oh[x] += p * vj[x];
         }
       }
-      Tensor o = fresh({1, H}, "o");
-      lin(O, att, o);
+      Tensor o = fresh_on(dev_, {1, H}, "o");
+      lin(O, att.to(dev_, "attention"), o);
       ops::add_(h, o);
       ops::rmsnorm_forward(h, params_[size_t(L.post_norm)].value, eps, xn, rs);
-      Tensor g = fresh({1, F}, "g"), u = fresh({1, F}, "u"), act = fresh({1, F}, "act");
+      Tensor g = fresh_on(dev_, {1, F}, "g"), u = fresh_on(dev_, {1, F}, "u"), act = fresh_on(dev_, {1, F}, "act");
       lin(GATE, xn, g);
       lin(UP, xn, u);
       ops::swiglu_forward(g, u, act);
@@ -604,8 +635,9 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
     }
     ++cache.len;
     ops::rmsnorm_forward(h, final_norm_, eps, xn, rs);
-    Tensor lg = Tensor::view(logits.data(), {1, cfg_.vocab_size}, DType::F32, Device::cpu(), nullptr);
+    Tensor lg = fresh_on(dev_, {1, cfg_.vocab_size}, "logits");
     ops::gemm(xn, false, lm_head_, true, lg, 1.0f, 0.0f);
+    Tensor::view(logits.data(), {1, cfg_.vocab_size}, DType::F32, Device::cpu(), nullptr).copy_from(lg);
   }
   return logits;
 }
@@ -616,7 +648,8 @@ void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max
   size_t cur = 0;
   for (const auto& p : params_) {
     if (p.name.find(".lora_") != std::string::npos) continue;
-    Tensor t = dtype == DType::F32 ? p.value : p.value.to_dtype(dtype);
+    Tensor host = p.value.device().is_cpu() ? p.value : p.value.to(Device::cpu(), p.name);
+    Tensor t = dtype == DType::F32 ? host : host.to_dtype(dtype);
     if (cur > 0 && cur + t.nbytes() > max_shard_bytes) {
       shards.emplace_back();
       cur = 0;

@@ -54,6 +54,9 @@ class LlamaModel {
   static std::unique_ptr<LlamaModel> random(const ModelConfig& cfg, uint64_t seed);
 
   const ModelConfig& config() const { return cfg_; }
+  // Moves every parameter (and later scratch) to `dev`. Weights stay float32 there.
+  void to_device(Device dev);
+  Device device() const { return dev_; }
 
   // Adds LoRA to the targeted projections (A kaiming-uniform, B zero, as PEFT) and freezes
   // every base weight.
@@ -111,6 +114,7 @@ class LlamaModel {
   Tensor embed_, final_norm_, lm_head_;
   Tensor rope_cos_, rope_sin_;
   Tensor cur_pos_;  // position ids of the batch in flight, flattened
+  Device dev_;
 };
 
 // Closed-form inverse frequencies with the config's rope scaling (float64).

@@ -51,7 +51,7 @@ std::vector<std::pair<std::string, Tensor>> AdamW::state_tensors() const {
   return out;
 }
 
-void AdamW::load_state(const std::map<std::string, Tensor>& tensors, int64_t step) {
+void AdamW::load_state(const std::map<std::string, Tensor>& tensors, int64_t step, Device dev) {
   mv_.clear();
   step_ = step;
   for (const auto& [key, t] : tensors) {
@@ -59,7 +59,7 @@ void AdamW::load_state(const std::map<std::string, Tensor>& tensors, int64_t ste
     std::string name = key.substr(8);
     auto v = tensors.find("adamw.v." + name);
     RIG_CHECK(v != tensors.end(), "optimizer state for '{}' has m but no v", name);
-    mv_.emplace(name, std::make_pair(t.clone("adamw m"), v->second.clone("adamw v")));
+    mv_.emplace(name, std::make_pair(t.to(dev, "adamw m"), v->second.to(dev, "adamw v")));
   }
 }
 

@@ -26,7 +26,7 @@ class AdamW {
 
   // Optimizer state for checkpoints: "adamw.m.<param>", "adamw.v.<param>" and the step count.
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
-  void load_state(const std::map<std::string, Tensor>& tensors, int64_t step);
+  void load_state(const std::map<std::string, Tensor>& tensors, int64_t step, Device dev);
 
  private:
   OptimizerConfig cfg_;

@@ -243,10 +243,21 @@ EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokeni
 TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   TrainConfig cfg = cfg_in;
   cfg.validate();
-  if (cfg.device != "auto" && cfg.device != "cpu")
-    bad_input("{}: device '{}': this build trains on the CPU only (the CUDA trainer is not wired yet)",
-              cfg.source, cfg.device);
-  if (cfg.max_memory) cpu_allocator().set_budget(cpu_allocator().in_use() + cfg.max_memory);
+  const Device dev = cfg.device == "auto" ? (cuda_available() ? Device::cuda(0) : Device::cpu())
+                                          : Device::parse(cfg.device);
+  if (dev.is_cuda() && !cuda_available())
+    bad_input("{}: device '{}' requested, but {}", cfg.source, cfg.device,
+#ifdef RIG_WITH_CUDA
+              "no CUDA GPU is visible");
+#else
+              "this rig was built without CUDA");
+#endif
+  // The GPU path trains in float32 for now; bf16 kernels exist but the mixed-precision step
+  // (bf16 weights, fp32 master copies) is not wired yet.
+  if (cfg.precision == "bf16")
+    bad_input("{}: precision bf16 is not wired into training yet; use fp32 (or auto)", cfg.source);
+  Allocator& alloc = allocator_for(dev);
+  if (cfg.max_memory) alloc.set_budget(alloc.in_use() + cfg.max_memory);
   const std::string run = cfg.output_dir;
   fs::create_directories(run);
 
@@ -270,6 +281,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
   Data data = load_data(cfg, tok);
   auto model = build_model(cfg);
+  model->to_device(dev);
   if (tok.vocab_size() > model->config().vocab_size)
     bad_input("{}: the tokenizer has {} tokens but the model's vocabulary is {}", cfg.source,
               tok.vocab_size(), model->config().vocab_size);
@@ -303,12 +315,13 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       if (it == state.end()) bad_input("{}: checkpoint has no tensor 'param.{}'", ckpt->dir, p.name);
       p.value.copy_from(it->second);
     }
-    opt.load_state(state, ckpt->state.at("optimizer_step").get<int64_t>());
+    opt.load_state(state, ckpt->state.at("optimizer_step").get<int64_t>(), dev);
     loader.restore(LoaderState::from_json(ckpt->state.at("loader")));
     step = ckpt->state.at("step").get<int64_t>();
   }
 
   MetricsWriter metrics(run, ckpt ? step : -1);
+  metrics.note(fmt::format("device {}", dev.str()));
   metrics.note(fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
                            "({} tokens), {} held out",
                            ckpt ? "resuming" : "starting", cfg.method, step, total,
@@ -327,8 +340,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   auto save = [&](int64_t s) {
     std::vector<std::pair<std::string, Tensor>> ts;
     for (auto& p : model->params())
-      if (p.trainable) ts.emplace_back("param." + p.name, p.value);
-    for (auto& t : opt.state_tensors()) ts.push_back(t);
+      if (p.trainable) ts.emplace_back("param." + p.name, p.value.to(Device::cpu(), "checkpoint"));
+    for (auto& [name, t] : opt.state_tensors()) ts.emplace_back(name, t.to(Device::cpu(), "checkpoint"));
     json st = {{"step", s},
                {"optimizer_step", opt.steps()},
                {"loader", loader.state().to_json()},
@@ -360,7 +373,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     result.eval_loss = e.loss;
   };
 
-  cpu_allocator().reset_peak();
+  alloc.reset_peak();
   if (!ckpt && cfg.eval.every > 0) run_eval(0, false);  // the starting point of the curve
   while (step < total) {
     if (hooks.should_stop && hooks.should_stop()) {
@@ -401,7 +414,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     m.lr = lr;
     m.grad_norm = norm;
     m.tokens_per_s = double(tokens) / std::max(1e-9, now_s() - t0);
-    m.peak_memory_bytes = cpu_allocator().peak();
+    m.peak_memory_bytes = alloc.peak();
     m.extra["trained_tokens"] = trained;
     metrics.log(m);
     if (progress) progress->update(m);

@@ -14,7 +14,7 @@ struct Opts {
   std::string model;
   int64_t hidden = 256, layers = 8, heads = 8, kv_heads = 4, inter = 688, vocab = 8000;
   int64_t batch = 4, seq = 256, steps = 5, warmup = 1;
-  std::string method = "full";
+  std::string method = "full", device = "cpu";
   int lora_r = 16;
   bool ckpt = false, json = false;
 };
@@ -38,6 +38,8 @@ int run(const Opts& o) {
   } else if (o.method != "full") {
     rig::bad_input("--method '{}' is not one of full, lora", o.method);
   }
+  const rig::Device dev = rig::Device::parse(o.device);
+  m->to_device(dev);
   const auto& cfg = m->config();
   std::mt19937_64 rng(1);
   rig::TokenBatch b{rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64),
@@ -47,7 +49,7 @@ int run(const Opts& o) {
   rig::AdamW opt(rig::OptimizerConfig{});
   rig::StepOptions so;
   so.checkpointing = o.ckpt ? rig::Checkpointing::Full : rig::Checkpointing::None;
-  auto& alloc = rig::cpu_allocator();
+  auto& alloc = rig::allocator_for(dev);
   double secs = 0;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) alloc.reset_peak();
@@ -62,7 +64,7 @@ int run(const Opts& o) {
   const double n = double(m->num_parameters(false));
   const double flops_per_token = (o.method == "full" ? 6.0 : 4.0) * n +
                                  12.0 * double(cfg.num_layers * cfg.hidden_size * o.seq);
-  nlohmann::json r = {{"device", "cpu"},
+  nlohmann::json r = {{"device", dev.str()},
                       {"method", o.method},
                       {"parameters", int64_t(n)},
                       {"trainable_parameters", m->num_parameters(true)},
@@ -99,6 +101,7 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
   app.add_option("--steps", o->steps, "timed steps")->capture_default_str();
   app.add_option("--method", o->method, "full or lora")->capture_default_str();
   app.add_option("--lora-r", o->lora_r, "LoRA rank")->capture_default_str();
+  app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
   app.add_flag("--checkpointing", o->ckpt, "recompute each layer's forward in backward");
   app.add_flag("--json", o->json, "one JSON line");
   return [o] { return run(*o); };

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -20,7 +21,12 @@ namespace {
 #define REQUIRE_GPU() \
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU visible: GPU training tests run on a GPU machine"
 
-std::string data(const std::string& rel) { return std::string(RIG_TEST_DATA) + "/" + rel; }
+// The paths compiled in, unless the environment moves them (a bundle run elsewhere).
+std::string env_or(const char* name, const char* def) {
+  const char* v = std::getenv(name);
+  return v ? v : def;
+}
+std::string data(const std::string& rel) { return env_or("RIG_TEST_DATA", RIG_TEST_DATA) + "/" + rel; }
 
 double rel_err(const Tensor& a_any, const Tensor& b) {
   Tensor a = a_any.to(Device::cpu());
@@ -92,8 +98,8 @@ TEST(GpuTraining, LossCurveFollowsTransformers) {
 
 TEST(GpuTraining, DemoLearnsOnTheGpu) {
   REQUIRE_GPU();
-  const std::string src = RIG_SOURCE_DIR;
-  const std::string out = std::string(RIG_BUILD_DIR) + "/test-tmp/gpu-demo";
+  const std::string src = env_or("RIG_SOURCE_DIR", RIG_SOURCE_DIR);
+  const std::string out = env_or("RIG_BUILD_DIR", RIG_BUILD_DIR) + "/test-tmp/gpu-demo";
   std::filesystem::remove_all(out);
   auto c = load_train_config(src + "/configs/demo.yaml",
                              {"output_dir=" + out, "device=cuda", "max_steps=200", "eval.every=200",

@@ -13,6 +13,7 @@
 #include "rig/io/safetensors.h"
 #include "rig/train/checkpoint.h"
 #include "rig/train/metrics.h"
+#include "rig/io/atomic_file.h"
 #include "rig/train/trainer.h"
 #include "test_util.h"
 
@@ -201,4 +202,29 @@ TEST(Trainer, BadConfigAndDataAreClearErrors) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("bad.jsonl:"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(dir + "/run/final"));
+}
+
+TEST(Trainer, GpuTelemetryInMetricsAndThermalPause) {
+  // The fake NVML: a card that heats past the limit for a few samples, then cools down.
+  const std::string out = test::temp_dir("thermal");
+  std::ofstream(out + "/scenario.json")
+      << R"({"gpus": [{"temp": 60, "timeline": [{}, {}, {"temp": 90}, {}, {}, {"temp": 70}]}]})";
+  std::string env = std::string("RIG_NVML_LIBRARY=") + FAKE_NVML_LIBRARY + " FAKE_NVML_SCENARIO=" + out +
+                    "/scenario.json RIG_THERMAL_POLL_MS=10 ";
+  std::string cmd = "sh -c '" + env + RIG_BINARY + " train " + common_args(out + "/run", 8) +
+                    " --set schedule.warmup_steps=2 --set thermal.pause_above_c=85 --set thermal.resume_below_c=80' 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_TRUE(p);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) text.append(buf, n);
+  ASSERT_EQ(pclose(p), 0) << text;
+  int with_temp = 0;
+  for (const auto& row : read_metrics(out + "/run/metrics.jsonl").rows)
+    if (row.contains("gpu") && row["gpu"].contains("max_temp_c")) ++with_temp;
+  EXPECT_EQ(with_temp, 8);
+  std::string log = read_file(out + "/run/train.log");
+  EXPECT_NE(log.find("pausing: GPU 0 at 90 C is above 85 C"), std::string::npos) << log;
+  EXPECT_NE(log.find("resuming at 70 C"), std::string::npos) << log;
 }

@@ -602,6 +602,13 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
   if (auto v = r.take("save_total_limit"))
     assign(ctx, "save.keep_last", *v, [&] { c.save.keep_last = as_int(ctx, *v); });
 
+  if (auto v = r.take("thermal")) {
+    MapReader t(ctx, need_map(ctx, *v), "thermal");
+    if (auto x = t.take("pause_above_c")) c.thermal.pause_above_c = as_double(ctx, *x);
+    if (auto x = t.take("resume_below_c")) c.thermal.resume_below_c = as_double(ctx, *x);
+    t.finish();
+  }
+
   // The rest.
   if (auto v = r.take("seed")) {
     int64_t s = as_int(ctx, *v);
@@ -729,6 +736,10 @@ void TrainConfig::validate() const {
   need(eval.split >= 0 && eval.split < 1, "eval.split",
        "(val_set_size) must be a fraction in [0, 1)", fmt::format("{}", eval.split));
   need(eval.batches >= 0, "eval.batches", "must be 0 or more", std::to_string(eval.batches));
+  need(thermal.pause_above_c >= 0, "thermal.pause_above_c", "must be 0 (off) or a temperature",
+       std::to_string(thermal.pause_above_c));
+  need(thermal.resume_below_c >= 0 && (thermal.pause_above_c == 0 || thermal.resume_below_c < thermal.pause_above_c),
+       "thermal.resume_below_c", "must be below thermal.pause_above_c", std::to_string(thermal.resume_below_c));
   need(eval.generate >= 0, "eval.generate", "must be 0 or more", std::to_string(eval.generate));
   if (eval.every > 0 && eval.split == 0)
     bad_input("{}: 'eval.every' is {} but nothing is held out: set 'eval.split' (e.g. 0.05)", s,
@@ -811,6 +822,7 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
   j["strategy"] = strategy;
   j["eval"] = {{"every", eval.every}, {"split", eval.split}, {"batches", eval.batches}, {"generate", eval.generate}};
   j["save"] = {{"every", save.every}, {"keep_last", save.keep_last}};
+  j["thermal"] = {{"pause_above_c", thermal.pause_above_c}, {"resume_below_c", thermal.resume_below_c}};
   j["seed"] = seed;
   j["device"] = device;
   j["max_memory"] = max_memory ? ojson(max_memory) : ojson(nullptr);

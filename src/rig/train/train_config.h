@@ -51,6 +51,11 @@ struct EvalSettings {
   int64_t generate = 0;  // held-out samples generated greedily at the end for exact-match accuracy
 };
 
+struct ThermalSettings {
+  double pause_above_c = 0;    // pause training while the hottest GPU is above this; 0: never
+  double resume_below_c = 0;   // resume once every GPU is below this (0: 8 degrees under the pause)
+};
+
 struct SaveSettings {
   int64_t every = 0;      // optimizer steps between checkpoints; 0: only at the end
   int64_t keep_last = 3;  // complete checkpoints kept; 0: keep all
@@ -87,6 +92,7 @@ struct TrainConfig {
   std::string strategy = "auto";                  // auto | ddp | fsdp (auto: ddp)
   EvalSettings eval;
   SaveSettings save;
+  ThermalSettings thermal;
   uint64_t seed = 42;
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
   uint64_t max_memory = 0;      // bytes per device; 0: no budget

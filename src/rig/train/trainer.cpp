@@ -6,10 +6,12 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "rig/core/allocator.h"
 #include "rig/data/loader.h"
 #include "rig/data/records.h"
+#include "rig/hw/telemetry.h"
 #include "rig/io/atomic_file.h"
 #include "rig/optim/adamw.h"
 #include "rig/train/checkpoint.h"
@@ -90,6 +92,12 @@ int64_t planned_steps(const TrainConfig& cfg, const TokenDataset& data) {
                             : double(data.size());
   double per_step = double(cfg.micro_batch_size * cfg.gradient_accumulation_steps);
   return std::max<int64_t>(1, int64_t(std::ceil(cfg.num_epochs * rows / per_step)));
+}
+
+// How often a paused run looks at the temperature again (RIG_THERMAL_POLL_MS for tests).
+int cfg_pause_poll_ms() {
+  const char* v = std::getenv("RIG_THERMAL_POLL_MS");
+  return v ? std::max(1, std::atoi(v)) : 1000;
 }
 
 uint64_t step_seed(uint64_t seed, int64_t step, int64_t micro) {
@@ -373,6 +381,38 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     result.eval_loss = e.loss;
   };
 
+  // GPU telemetry in every metrics line, and the thermal pause, wherever NVML answers.
+  std::optional<hw::Telemetry> telemetry;
+  try {
+    telemetry.emplace(hw::Telemetry::open());
+  } catch (const Error& e) {
+    metrics.note(fmt::format("no GPU telemetry: {}", e.what()));
+  }
+  std::optional<hw::ThermalPause> thermal;
+  if (telemetry && cfg.thermal.pause_above_c > 0)
+    thermal.emplace(cfg.thermal.pause_above_c, cfg.thermal.resume_below_c > 0
+                                                   ? cfg.thermal.resume_below_c
+                                                   : cfg.thermal.pause_above_c - 8);
+  int throttled_steps = 0;
+  auto watch_gpus = [&](StepMetrics& m) {
+    if (!telemetry) return;
+    hw::StepSummary g = hw::Telemetry::summarize(telemetry->sample());
+    m.extra["gpu"] = g.to_json();
+    // Sustained thermal throttling: say so once per streak.
+    throttled_steps = g.thermal_throttle ? throttled_steps + 1 : 0;
+    if (throttled_steps == 10)
+      say(fmt::format("warning: GPU {} has been thermally throttled for 10 steps ({:.0f} C); check "
+                      "cooling and fan curves", g.hottest_gpu, g.max_temp_c.value_or(0)));
+    if (!thermal || !thermal->update(g)) return;
+    say(fmt::format("pausing: GPU {} at {:.0f} C is above {:.0f} C; resuming below {:.0f} C",
+                    g.hottest_gpu, g.max_temp_c.value_or(0), thermal->pause_at(), thermal->resume_below()));
+    while (thermal->update(g) && !(hooks.should_stop && hooks.should_stop())) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(cfg_pause_poll_ms()));
+      g = hw::Telemetry::summarize(telemetry->sample());
+    }
+    say(fmt::format("resuming at {:.0f} C", g.max_temp_c.value_or(0)));
+  };
+
   alloc.reset_peak();
   if (!ckpt && cfg.eval.every > 0) run_eval(0, false);  // the starting point of the curve
   while (step < total) {
@@ -416,6 +456,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     m.tokens_per_s = double(tokens) / std::max(1e-9, now_s() - t0);
     m.peak_memory_bytes = alloc.peak();
     m.extra["trained_tokens"] = trained;
+    watch_gpus(m);
     metrics.log(m);
     if (progress) progress->update(m);
     result.final_loss = loss;

@@ -530,7 +530,7 @@ TEST(HwWatch, DurationBoundsTheRun) {
   auto r = rig::test::run_rig("watch --duration 0.4 --interval 0.1");
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.code, 0) << r.out;
-  EXPECT_LT(s, 5.0);
+  EXPECT_LT(s, 30.0);  // generous: a loaded 2-core CI box starts processes slowly; frames bound it too
   size_t frames = 0;
   for (size_t p = r.out.find("--- "); p != std::string::npos; p = r.out.find("--- ", p + 1))
     ++frames;

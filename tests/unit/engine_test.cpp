@@ -269,3 +269,18 @@ TEST(Engine, LoadRejectsShapeMismatch) {
     EXPECT_NE(std::string(e.what()).find("mlp.gate_proj.weight' has shape [160, 64]"), std::string::npos) << e.what();
   }
 }
+
+TEST(Engine, MistralSlidingWindowIsAClearError) {
+  nlohmann::json j = {{"model_type", "mistral"}, {"vocab_size", 50}, {"hidden_size", 16},
+                      {"intermediate_size", 32}, {"num_hidden_layers", 1}, {"num_attention_heads", 2},
+                      {"num_key_value_heads", 1}, {"sliding_window", 4}};
+  auto m = LlamaModel::random(ModelConfig::from_json(j, "mistral"), 1);
+  // Within the window the model runs; past it, one clear error instead of silently wrong attention.
+  EXPECT_NO_THROW(m->step(random_batch(1, 4, 50, 1), StepOptions{}));
+  try {
+    m->step(random_batch(1, 6, 50, 1), StepOptions{});
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("sliding window 4"), std::string::npos) << e.what();
+  }
+}

@@ -39,7 +39,10 @@ SafeTensorsHeader parse_safetensors_header(const uint8_t* data, size_t file_size
     bad_input("{}: header is not valid JSON (at header byte {}): {}", path, e.byte, e.what());
   }
   if (!j.is_object()) bad_input("{}: header must be a JSON object", path);
-  for (auto& [name, v] : j.items()) {
+  for (auto& item : j.items()) {
+    // Named copies rather than structured bindings: lambdas below capture them (clang 14).
+    const std::string name = item.key();
+    const json& v = item.value();
     if (name == "__metadata__") {
       if (!v.is_object()) bad_input("{}: __metadata__ must be an object of strings", path);
       for (auto& [k, s] : v.items()) {

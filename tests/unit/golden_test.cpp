@@ -40,6 +40,31 @@ json reference(const std::string& model) {
   return json::parse(read_file(fixture(model, "reference.json")));
 }
 
+// The optimizer settings a reference.json section records.
+OptimizerConfig optimizer_from(const json& cfg) {
+  OptimizerConfig oc;
+  oc.lr = cfg["lr"];
+  oc.beta1 = cfg["betas"][0];
+  oc.beta2 = cfg["betas"][1];
+  oc.eps = cfg["eps"];
+  oc.weight_decay = cfg["weight_decay"];
+  oc.max_grad_norm = cfg["clip_grad_norm"];
+  return oc;
+}
+
+// One float32 step with logits, compared with the reference's loss and logits.
+Tensor check_forward(LlamaModel& m, const SafeTensorsFile& batch, const SafeTensorsFile& ref) {
+  m.zero_grad();
+  Tensor logits;
+  StepOptions opt;
+  opt.logits = &logits;
+  auto r = m.step(batch_from(batch), opt);
+  const double want = ref.get_f32("loss").f32()[0];
+  EXPECT_NEAR(r.loss(), want, 1e-5 * std::fabs(want));
+  EXPECT_LT(rel_err(logits, ref.get_f32("logits")), 1e-5);
+  return logits;
+}
+
 class Golden : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
@@ -47,13 +72,7 @@ class Golden : public ::testing::TestWithParam<std::string> {};
 TEST_P(Golden, ForwardBackwardMatchesTransformers) {
   auto m = LlamaModel::load(fixture(GetParam(), "model"));
   auto ref = SafeTensorsFile::open(fixture(GetParam(), "forward_backward.safetensors"));
-  m->zero_grad();
-  Tensor logits;
-  StepOptions opt;
-  opt.logits = &logits;
-  auto r = m->step(batch_from(ref), opt);
-  EXPECT_NEAR(r.loss(), ref.get_f32("loss").f32()[0], 1e-5 * std::fabs(ref.get_f32("loss").f32()[0]));
-  EXPECT_LT(rel_err(logits, ref.get_f32("logits")), 1e-5);
+  check_forward(*m, ref, ref);
   int checked = 0;
   for (auto& p : m->params()) {
     std::string key = "grad." + p.name;
@@ -98,13 +117,7 @@ TEST_P(Golden, LoraForwardBackwardMatchesPeft) {
   m->load_adapter(fixture(GetParam(), "lora_adapter"));
   auto ref = SafeTensorsFile::open(fixture(GetParam(), "lora_forward_backward.safetensors"));
   auto fb = SafeTensorsFile::open(fixture(GetParam(), "forward_backward.safetensors"));
-  m->zero_grad();
-  Tensor logits;
-  StepOptions opt;
-  opt.logits = &logits;
-  auto r = m->step(batch_from(fb), opt);
-  EXPECT_NEAR(r.loss(), ref.get_f32("loss").f32()[0], 1e-5 * std::fabs(ref.get_f32("loss").f32()[0]));
-  EXPECT_LT(rel_err(logits, ref.get_f32("logits")), 1e-5);
+  check_forward(*m, fb, ref);
   int checked = 0;
   for (auto& p : m->params()) {
     if (!p.trainable) {
@@ -121,13 +134,7 @@ TEST_P(Golden, AdamWFiveStepsMatchTorch) {
   auto m = LlamaModel::load(fixture(GetParam(), "model"));
   auto ref = SafeTensorsFile::open(fixture(GetParam(), "adamw_5steps.safetensors"));
   json cfg = reference(GetParam())["adamw_5steps"];
-  OptimizerConfig oc;
-  oc.lr = cfg["lr"];
-  oc.beta1 = cfg["betas"][0];
-  oc.beta2 = cfg["betas"][1];
-  oc.eps = cfg["eps"];
-  oc.weight_decay = cfg["weight_decay"];
-  oc.max_grad_norm = cfg["clip_grad_norm"];
+  OptimizerConfig oc = optimizer_from(cfg);
   AdamW opt(oc);
   for (int s = 0; s < 5; ++s) {
     m->zero_grad();
@@ -147,13 +154,7 @@ TEST_P(Golden, LoraAdamWFiveStepsMatchPeft) {
   // The LoRA trajectory uses the same five batches as the full one.
   auto batches = SafeTensorsFile::open(fixture(GetParam(), "adamw_5steps.safetensors"));
   json cfg = reference(GetParam())["lora"]["adamw"];
-  OptimizerConfig oc;
-  oc.lr = cfg["lr"];
-  oc.beta1 = cfg["betas"][0];
-  oc.beta2 = cfg["betas"][1];
-  oc.eps = cfg["eps"];
-  oc.weight_decay = cfg["weight_decay"];
-  oc.max_grad_norm = cfg["clip_grad_norm"];
+  OptimizerConfig oc = optimizer_from(cfg);
   AdamW opt(oc);
   for (int s = 0; s < cfg["steps"].get<int>(); ++s) {
     m->zero_grad();

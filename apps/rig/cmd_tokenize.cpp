@@ -21,7 +21,7 @@ json parse_line(const std::string& line, size_t lineno, const char* field) {
   json j;
   try {
     j = json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     rig::bad_input("stdin line {}: not valid JSON ({})", lineno, e.what());
   }
   if (!j.is_object() || !j.contains(field))

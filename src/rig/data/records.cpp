@@ -319,8 +319,8 @@ std::vector<Sample> load_samples(const std::string& path, const Tokenizer* tok,
         json j;
         try {
           j = json::parse(line);
-        } catch (const json::parse_error& e) {
-          record_error(path, lineno, "", fmt::format("not valid JSON (byte {}: {})", e.byte, e.what()));
+        } catch (const json::exception& e) {
+          record_error(path, lineno, "", fmt::format("not valid JSON ({})", e.what()));
         }
         if (!j.is_object()) record_error(path, lineno, "", "expected a JSON object, got " + json_type(j));
         records.push_back(fmt == DataFormat::Alpaca ? render_alpaca(j, sp, *tok, path, lineno)

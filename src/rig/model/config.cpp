@@ -132,8 +132,8 @@ ModelConfig ModelConfig::load(const std::string& path) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    bad_input("{}: not valid JSON (byte {}): {}", p.string(), e.byte, e.what());
+  } catch (const json::exception& e) {
+    bad_input("{}: not valid JSON: {}", p.string(), e.what());
   }
   return from_json(j, p.string());
 }

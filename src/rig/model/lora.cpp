@@ -37,8 +37,8 @@ LoraConfig load_lora_config(const std::string& dir) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::parse_error& e) {
-    bad_input("{}: not valid JSON (byte {}): {}", path, e.byte, e.what());
+  } catch (const nlohmann::json::exception& e) {
+    bad_input("{}: not valid JSON: {}", path, e.what());
   }
   if (j.value("peft_type", "LORA") != "LORA")
     bad_input("{}: peft_type '{}' is not supported (only LORA)", path, j.value("peft_type", ""));

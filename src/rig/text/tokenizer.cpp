@@ -995,8 +995,8 @@ Tokenizer Tokenizer::from_json(const std::string& text, const std::string& name)
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    bad_input("{}: not valid JSON at byte {}: {}", name, e.byte, e.what());
+  } catch (const json::exception& e) {
+    bad_input("{}: not valid JSON: {}", name, e.what());
   }
   auto impl = std::make_unique<Impl>();
   Impl& t = *impl;

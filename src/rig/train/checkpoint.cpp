@@ -55,8 +55,8 @@ json read_json_file(const std::string& path) {
   std::string text = read_file(path);
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
-    bad_input("{}: not valid JSON (byte {})", path, e.byte);
+  } catch (const json::exception& e) {
+    bad_input("{}: not valid JSON: {}", path, e.what());
   }
 }
 

@@ -89,16 +89,9 @@ TokenDataset TokenDataset::open(const std::string& dir) {
   for (const char* name : {"tokens", "train", "offsets"})
     if (!f.has(name)) bad_input("{}: tensor '{}' missing", path, name);
   TokenDataset d;
-  // Views into the mapping, except where the file leaves one unaligned for its element type
-  // (the int64 offsets follow tensors of odd byte length): those are copied once.
-  auto aligned = [&](const char* name) {
-    Tensor t = f.get(name);
-    const size_t align = dtype_size(t.dtype());
-    return align > 1 && reinterpret_cast<uintptr_t>(t.raw()) % align ? t.clone(name) : t;
-  };
-  d.tokens_ = aligned("tokens");
-  d.train_ = aligned("train");
-  d.offsets_t_ = aligned("offsets");
+  d.tokens_ = f.get("tokens");
+  d.train_ = f.get("train");
+  d.offsets_t_ = f.get("offsets");
   if (d.tokens_.dtype() != DType::I32 || d.tokens_.ndim() != 1)
     bad_input("{}: tensor 'tokens': expected I32 [N], got {} {}", path, dtype_name(d.tokens_.dtype()), shape_str(d.tokens_.shape()));
   if (d.train_.dtype() != DType::U8 || d.train_.shape() != d.tokens_.shape())

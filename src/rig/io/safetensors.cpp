@@ -148,17 +148,17 @@ const TensorInfo& SafeTensorsFile::info(const std::string& name) const {
 Tensor SafeTensorsFile::get(const std::string& name) const {
   const TensorInfo& t = info(name);
   void* p = const_cast<uint8_t*>(base_ + header_.data_start + t.begin);
-  return Tensor::view(p, t.shape, t.dtype, Device::cpu(), map_);
+  Tensor v = Tensor::view(p, t.shape, t.dtype, Device::cpu(), map_);
+  // The format packs tensors back to back, so one may start unaligned for its element type
+  // (int64 after an odd number of bf16 values): reading it in place would be undefined.
+  const size_t align = dtype_size(t.dtype);
+  if (align > 1 && reinterpret_cast<uintptr_t>(p) % align) return v.clone(name);
+  return v;
 }
 
 Tensor SafeTensorsFile::get_f32(const std::string& name) const {
   Tensor t = get(name);
-  if (t.dtype() == DType::F32) {
-    // An unaligned view cannot be used as float*: copy then.
-    if (reinterpret_cast<uintptr_t>(t.raw()) % 4 == 0) return t;
-    return t.clone(name);
-  }
-  return t.to_dtype(DType::F32);
+  return t.dtype() == DType::F32 ? t : t.to_dtype(DType::F32);
 }
 
 void save_safetensors(const std::string& path,

@@ -42,7 +42,7 @@ class SafeTensorsFile {
   const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
   bool has(const std::string& name) const { return index_.count(name) > 0; }
   const TensorInfo& info(const std::string& name) const;
-  Tensor get(const std::string& name) const;      // view, the file's dtype
+  Tensor get(const std::string& name) const;      // view (a copy if unaligned), the file's dtype
   Tensor get_f32(const std::string& name) const;  // converted copy (or view when already F32)
 
  private:

@@ -161,9 +161,11 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
   RIG_CHECK(!prompt.empty(), "generate needs a non-empty prompt");
   auto cache = model.new_cache(int64_t(prompt.size()) + opt.max_new_tokens + 1);
   std::vector<float> logits = model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
+  const size_t limit = opt.vocab_limit > 0 ? std::min(logits.size(), size_t(opt.vocab_limit)) : logits.size();
   std::mt19937_64 rng(opt.seed);
   std::vector<int32_t> out;
   for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
+    logits.resize(limit);
     int32_t next = 0;
     if (opt.temperature <= 0) {
       next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
@@ -236,6 +238,7 @@ EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokeni
     GenerateOptions go;
     go.max_new_tokens = int64_t(want.size());
     go.stop_ids = {want.back()};
+    go.vocab_limit = tok.vocab_size();
     auto got = generate(model, prompt, go);
     bool ok = got == want;
     hits += ok;
@@ -260,10 +263,9 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
 #else
               "this rig was built without CUDA");
 #endif
-  // The GPU path trains in float32 for now; bf16 kernels exist but the mixed-precision step
-  // (bf16 weights, fp32 master copies) is not wired yet.
-  if (cfg.precision == "bf16")
-    bad_input("{}: precision bf16 is not wired into training yet; use fp32 (or auto)", cfg.source);
+  const std::string precision = cfg.resolved_precision(dev.is_cuda());
+  if (precision == "bf16" && !dev.is_cuda())
+    bad_input("{}: 'precision: bf16' needs a CUDA device; the CPU backend computes in fp32", cfg.source);
   Allocator& alloc = allocator_for(dev);
   if (cfg.max_memory) alloc.set_budget(alloc.in_use() + cfg.max_memory);
   const std::string run = cfg.output_dir;
@@ -289,6 +291,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
   Data data = load_data(cfg, tok);
   auto model = build_model(cfg);
+  // Frozen matrices turn bf16 on the host, so the device never holds their float32 copies.
+  model->set_compute_dtype(precision == "bf16" ? DType::BF16 : DType::F32);
   model->to_device(dev);
   if (tok.vocab_size() > model->config().vocab_size)
     bad_input("{}: the tokenizer has {} tokens but the model's vocabulary is {}", cfg.source,
@@ -323,13 +327,14 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       if (it == state.end()) bad_input("{}: checkpoint has no tensor 'param.{}'", ckpt->dir, p.name);
       p.value.copy_from(it->second);
     }
+    model->refresh_compute_weights();
     opt.load_state(state, ckpt->state.at("optimizer_step").get<int64_t>(), dev);
     loader.restore(LoaderState::from_json(ckpt->state.at("loader")));
     step = ckpt->state.at("step").get<int64_t>();
   }
 
   MetricsWriter metrics(run, ckpt ? step : -1);
-  metrics.note(fmt::format("device {}", dev.str()));
+  metrics.note(fmt::format("device {}, {} compute", dev.str(), precision));
   metrics.note(fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
                            "({} tokens), {} held out",
                            ckpt ? "resuming" : "starting", cfg.method, step, total,
@@ -444,6 +449,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       loss_tokens += r.tokens;
     }
     const double norm = opt.clip_and_step(model->params(), lr);
+    model->refresh_compute_weights();
     ++step;
     const double loss = loss_tokens ? loss_sum / double(loss_tokens) : 0;
     if (!std::isfinite(loss) || !std::isfinite(norm))

@@ -362,8 +362,11 @@ struct LinearRefs {
 
 void linear_forward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
                     Tensor& y, Tensor* xa) {
-  ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
-  if (L.b.defined()) ops::add_bias(y, L.b);
+  if (L.b.defined()) {
+    ops::gemm_bias(x, false, L.w, true, y, L.b);
+  } else {
+    ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
+  }
   if (!L.a.defined()) return;
   Tensor xd = x;
   if (p > 0) {

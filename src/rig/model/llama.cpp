@@ -84,8 +84,8 @@ std::vector<double> rope_inv_freq(const ModelConfig& cfg) {
   return inv;
 }
 
-void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay, bool matrix) {
-  params_.push_back(Param{name, std::move(t), Tensor(), Tensor(), true, no_decay, matrix});
+void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand) {
+  params_.push_back(Param{name, std::move(t), Tensor(), Tensor(), true, no_decay, compute_operand});
 }
 
 void LlamaModel::bind_outer() {
@@ -107,7 +107,7 @@ void LlamaModel::set_compute_dtype(DType dt) {
   if (dt == act_) return;
   RIG_CHECK(dt == DType::F32 || dt == DType::BF16, "compute dtype must be F32 or BF16, not {}", dtype_name(dt));
   for (auto& p : params_) {
-    if (!p.matrix) continue;
+    if (!p.compute_operand) continue;
     p.compute = Tensor();
     if (p.value.dtype() == dt) continue;  // a frozen matrix already stored in `dt`
     Tensor c = Tensor::empty(p.value.shape(), dt, dev_, "weight");
@@ -148,7 +148,7 @@ void LlamaModel::build(const ModelConfig& cfg) {
       register_param(lin.module + ".weight", fresh({out[p], in[p]}, names[p]), false, true);
       if (bias[p]) {
         lin.b = int(params_.size());
-        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, false);
+        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, true);
       }
     }
     L->in_norm = int(params_.size());
@@ -408,7 +408,7 @@ void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, c
 
 #define RIG_LIN(lin)                                                                         \
   LinearRefs {                                                                               \
-    params_[size_t((lin).w)].operand(), (lin).b >= 0 ? params_[size_t((lin).b)].value : kNone, \
+    params_[size_t((lin).w)].operand(), (lin).b >= 0 ? params_[size_t((lin).b)].operand() : kNone, \
         (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].operand() : kNone,                   \
         (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].operand() : kNone,                   \
         grad_of((lin).w), grad_of((lin).b), grad_of((lin).lora_a), grad_of((lin).lora_b)     \

@@ -19,13 +19,15 @@ namespace rig {
 struct Param {
   std::string name;
   Tensor value, grad;  // grad is defined for trainable parameters after zero_grad()
-  // Under a BF16 compute dtype, the BF16 copy of a trainable matrix that the products read
+  // Under a BF16 compute dtype, the BF16 copy of a trainable operand that the products read
   // (refresh_compute_weights() after changing `value`); undefined otherwise. Frozen matrices
   // under BF16 are stored in BF16 (`value` itself) and have no copy.
   Tensor compute;
   bool trainable = true;
   bool no_decay = false;  // norms and biases, for optimizers that exempt them
-  bool matrix = false;    // read by matrix products (linear, LoRA, embedding, LM head weights)
+  // Read by the products in the compute dtype: linear, LoRA, embedding and LM head matrices, and
+  // linear biases (cuBLASLt's bias epilogue wants the bias in the output's dtype).
+  bool compute_operand = false;
   // What the products read.
   const Tensor& operand() const { return compute.defined() ? compute : value; }
 };
@@ -118,7 +120,7 @@ class LlamaModel {
  private:
   LlamaModel();
   void build(const ModelConfig& cfg);
-  void register_param(const std::string& name, Tensor t, bool no_decay, bool matrix);
+  void register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand);
   void bind_outer();  // re-resolves embed_, final_norm_ and lm_head_ from params_
   Tensor act(const Shape& s, const char* what) const;  // an activation in the compute dtype
   Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)

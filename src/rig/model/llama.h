@@ -29,6 +29,19 @@ struct TokenBatch {
 
 enum class Checkpointing { None, Full };
 
+// Called by step() around each group of parameters so a distributed strategy can gather sharded
+// weights just before use and reduce gradients as soon as they are final. Group l >= 0 is layer
+// l; group -1 the outer parameters (embedding, final norm, lm_head), in use for the whole step.
+// See LlamaModel::param_groups().
+struct StepHooks {
+  enum Phase { Forward, Backward };
+  virtual ~StepHooks() = default;
+  // Before the group's weights are read; Backward: also before its gradients are written.
+  virtual void before(int group, Phase phase) = 0;
+  // After their last use; Backward: the group's gradients are final for this micro-batch.
+  virtual void after(int group, Phase phase) = 0;
+};
+
 struct StepOptions {
   bool backward = true;
   Tensor* logits = nullptr;  // when set, receives the [B, T, V] logits (float32, CPU)
@@ -38,6 +51,7 @@ struct StepOptions {
   Checkpointing checkpointing = Checkpointing::None;
   uint64_t dropout_seed = 0;
   int64_t loss_chunk_rows = 1024;  // rows of logits materialised at once
+  StepHooks* hooks = nullptr;
 };
 
 struct StepResult {
@@ -73,6 +87,8 @@ class LlamaModel {
   const std::vector<Param>& params() const { return params_; }
   Param* find_param(const std::string& name);
   int64_t num_parameters(bool trainable_only) const;
+  // The StepHooks group of every parameter (index into params()): its layer, or -1.
+  std::vector<int> param_groups() const;
   void zero_grad();  // allocates gradients for trainable parameters on first use
 
   StepResult step(const TokenBatch& batch, const StepOptions& opt);
@@ -104,6 +120,7 @@ class LlamaModel {
   void build(const ModelConfig& cfg);
   void register_param(const std::string& name, Tensor t, bool no_decay);
   void ensure_rope(int64_t positions);
+  void bind_outer();  // embed_, final_norm_, lm_head_ from params_ (hooks may rebind values)
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
   void layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed);
 

@@ -154,7 +154,8 @@ ValueStats value_stats(const Tensor& t) {
 
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
-                            const json& state, int64_t keep_last) {
+                            const json& state, int64_t keep_last,
+                            const std::vector<std::string>& extra_files) {
   if (step < 0) bad_input("save_checkpoint: step {} is negative", step);
   if (!state.is_object()) bad_input("save_checkpoint: the trainer state must be a JSON object");
   fs::path root = fs::path(run_dir) / "checkpoints";
@@ -197,7 +198,14 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
   }
   m["tensors"] = tl;
   m["files"] = json::object();
-  for (const char* name : {kTensorsFile, kStateFile}) {
+  std::vector<std::string> files = {kTensorsFile, kStateFile};
+  for (const auto& f : extra_files) {
+    std::string name = fs::path(f).filename().string();
+    fs::rename(f, tmp / name, ec);
+    if (ec) fail("{}: cannot move into {}: {}", f, tmp.string(), ec.message());
+    files.push_back(name);
+  }
+  for (const auto& name : files) {
     std::string p = (tmp / name).string();
     m["files"][name] = {{"bytes", fs::file_size(p)}, {"xxh3", xxh3_file_hex(p)}};
   }

@@ -103,6 +103,13 @@ struct Sharded::Unit {
   Tensor shard;        // frozen units; trainable ones live in shard_params_
   int param = -1;      // index into shard_params_
   Tensor full, gfull;  // gathered weights and full gradients while in use
+  dist::WorkPtr gathering;  // a prefetch in flight into `full`
+};
+
+struct Sharded::PendingGrad {
+  dist::WorkPtr work;
+  Tensor part, gfull;
+  int param = -1;
 };
 
 Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), model_(model) {
@@ -150,10 +157,12 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
 Sharded::~Sharded() = default;
 
 void Sharded::zero_grad() {
+  finish();
   for (auto& p : shard_params_) p.grad.zero_();
 }
 
 double Sharded::clip_grad_norm(float max_norm) {
+  finish();
   double local = 0;
   for (auto& p : shard_params_) local += ops::sum_squares(p.grad);
   Tensor t = Tensor::from_f32({float(local)}, {1});
@@ -170,10 +179,14 @@ double Sharded::clip_grad_norm(float max_norm) {
 }
 
 void Sharded::gather(Unit& u) {
-  if (u.full.defined()) return;
-  const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
-  u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
-  dist::all_gather_flat(comm_, u.fs, shard, u.full)->wait();
+  if (!u.full.defined()) {
+    const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
+    u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
+    u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
+  }
+  if (!u.gathering) return;
+  u.gathering->wait();
+  u.gathering.reset();
   auto& ps = model_.params();
   for (size_t j = 0; j < u.members.size(); ++j) {
     const int64_t n = shape_numel(u.shapes[j]);
@@ -181,18 +194,46 @@ void Sharded::gather(Unit& u) {
   }
 }
 
+// Starts the all-gather of a group's weights so it overlaps the current layer's compute.
+void Sharded::prefetch(int group) {
+  auto it = of_group_.find(group);
+  if (it == of_group_.end()) return;
+  for (size_t k : it->second) {
+    Unit& u = *state_[k];
+    if (u.full.defined()) continue;
+    const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
+    u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
+    u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
+  }
+}
+
 void Sharded::release(Unit& u) {
+  if (u.gathering) {
+    u.gathering->wait();
+    u.gathering.reset();
+  }
   for (size_t i : u.members) model_.params()[i].value = Tensor();
   u.full = Tensor();
+}
+
+void Sharded::finish() {
+  for (auto& p : pending_) {
+    p.work->wait();
+    ops::add_(shard_params_[size_t(p.param)].grad, p.part);
+  }
+  pending_.clear();
 }
 
 void Sharded::before(int group, Phase phase) {
   auto it = of_group_.find(group);
   if (it == of_group_.end()) return;
   auto& ps = model_.params();
+  for (size_t k : it->second) gather(*state_[k]);
+  // The next layer in this pass (forward: up, backward: down) while this one computes; the
+  // outer parameters are gathered at the start of the step, before layer 0.
+  if (!pinned_) prefetch(group < 0 ? 0 : phase == Forward ? group + 1 : group - 1);
   for (size_t k : it->second) {
     Unit& u = *state_[k];
-    gather(u);
     if (phase == Backward && u.param >= 0) {
       u.gfull = Tensor::zeros({u.fs.padded}, DType::F32, u.full.device(), "full gradients");
       for (size_t j = 0; j < u.members.size(); ++j) {
@@ -207,14 +248,19 @@ void Sharded::after(int group, Phase phase) {
   auto it = of_group_.find(group);
   if (it == of_group_.end()) return;
   auto& ps = model_.params();
+  // The previous layer's reduce-scatters have had this layer's backward to run.
+  if (phase == Backward) finish();
   for (size_t k : it->second) {
     Unit& u = *state_[k];
     if (phase == Backward && u.gfull.defined()) {
-      // Summed over ranks into this rank's part, added to what earlier micro-steps left.
-      Param& sp = shard_params_[size_t(u.param)];
-      Tensor part = Tensor::empty({u.fs.shard}, DType::F32, sp.grad.device(), "gradient part");
-      dist::reduce_scatter_flat(comm_, u.fs, u.gfull, part, dist::ReduceOp::Sum)->wait();
-      ops::add_(sp.grad, part);
+      // Summed over ranks into this rank's part, added to the shard gradient (which holds the
+      // earlier micro-steps') once it arrives.
+      PendingGrad p;
+      p.param = u.param;
+      p.gfull = u.gfull;
+      p.part = Tensor::empty({u.fs.shard}, DType::F32, u.gfull.device(), "gradient part");
+      p.work = dist::reduce_scatter_flat(comm_, u.fs, u.gfull, p.part, dist::ReduceOp::Sum);
+      pending_.push_back(std::move(p));
       for (size_t i : u.members) ps[i].grad = Tensor();
       u.gfull = Tensor();
     }
@@ -223,6 +269,7 @@ void Sharded::after(int group, Phase phase) {
 }
 
 void Sharded::gather_all() {
+  finish();
   for (auto& u : state_) gather(*u);
   pinned_ = true;
 }

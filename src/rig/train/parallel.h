@@ -64,6 +64,8 @@ class Sharded : public StepHooks {
 
   void before(int group, Phase phase) override;
   void after(int group, Phase phase) override;
+  // Waits for the gradient reduce-scatters still in flight (before clipping).
+  void finish();
   // Every parameter full on every rank (evaluation, generation, the final output) and back.
   void gather_all();
   void release_all();
@@ -82,7 +84,9 @@ class Sharded : public StepHooks {
 
  private:
   struct Unit;
+  struct PendingGrad;
   void gather(Unit& u);
+  void prefetch(int group);
   void release(Unit& u);
   dist::Communicator& comm_;
   LlamaModel& model_;
@@ -90,6 +94,7 @@ class Sharded : public StepHooks {
   std::vector<std::unique_ptr<Unit>> state_;
   std::map<int, std::vector<size_t>> of_group_;
   std::vector<Param> shard_params_;
+  std::vector<PendingGrad> pending_;  // reduce-scatters overlapping the next layer's backward
   bool pinned_ = false;  // gather_all: keep everything until release_all
 };
 

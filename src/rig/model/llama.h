@@ -89,6 +89,9 @@ class LlamaModel {
   int64_t num_parameters(bool trainable_only) const;
   // The StepHooks group of every parameter (index into params()): its layer, or -1.
   std::vector<int> param_groups() const;
+  // Re-reads the embedding, final norm and lm_head from params() after Param::value was
+  // replaced outside a step (so the old tensors are not kept alive).
+  void bind_outer();
   void zero_grad();  // allocates gradients for trainable parameters on first use
 
   StepResult step(const TokenBatch& batch, const StepOptions& opt);
@@ -120,7 +123,6 @@ class LlamaModel {
   void build(const ModelConfig& cfg);
   void register_param(const std::string& name, Tensor t, bool no_decay);
   void ensure_rope(int64_t positions);
-  void bind_outer();  // embed_, final_norm_, lm_head_ from params_ (hooks may rebind values)
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
   void layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed);
 

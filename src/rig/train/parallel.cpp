@@ -152,6 +152,7 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
     p.value = Tensor();
     p.grad = Tensor();
   }
+  model.bind_outer();  // drops the model's own references to the full tensors
 }
 
 Sharded::~Sharded() = default;
@@ -272,11 +273,13 @@ void Sharded::gather_all() {
   finish();
   for (auto& u : state_) gather(*u);
   pinned_ = true;
+  model_.bind_outer();  // evaluation and generation run without hooks
 }
 
 void Sharded::release_all() {
   pinned_ = false;
   for (auto& u : state_) release(*u);
+  model_.bind_outer();
 }
 
 std::vector<std::pair<std::string, Tensor>> Sharded::shard_tensors(const AdamW& opt) const {

@@ -428,3 +428,42 @@ TEST(Parallel, SigintToTheLauncherCheckpointsOnEveryRankAtOneStep) {
   EXPECT_TRUE(fs::exists(ck->dir + "/shard-1-of-2.safetensors"));
   for (pid_t w : workers) EXPECT_FALSE(alive(w));
 }
+
+TEST(Parallel, RankThatThrowsIsNamedByTheOthers) {
+  const std::string run = test::temp_dir("par_throw");
+  try {
+    train_ranks(3, [&](int) { return tiny(run, "lora", "ddp", 3, 50, 1, 3); }, [](int r) {
+      TrainHooks h;
+      auto polls = std::make_shared<int>(0);
+      h.should_stop = [polls, r] {
+        if (r == 1 && ++*polls == 3) throw std::runtime_error("injected failure");
+        return false;
+      };
+      return h;
+    });
+    FAIL() << "training went on without rank 1";
+  } catch (const std::runtime_error& e) {
+    // Rank 0 reports first: it names rank 1 rather than hanging until the timeout.
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 0:"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 1 exited or lost its connection"), std::string::npos) << msg;
+  }
+}
+
+TEST(Parallel, BadStrategyIsAClearError) {
+  const std::string kBase = "model: /models/m\ndatasets: [{path: d.jsonl}]\nmax_steps: 10\n";
+  try {
+    parse_train_config(kBase + "strategy: zero2\n", "run.yaml");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("run.yaml"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("strategy"), std::string::npos) << e.what();
+  }
+  try {
+    parse_train_config(kBase + "dist: {timeout_s: 0}\n", "run.yaml");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("dist.timeout_s"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(parse_train_config(kBase + "strategy: fsdp\n", "run.yaml").strategy, "sharded");
+}

@@ -157,6 +157,18 @@ INSTANTIATE_TEST_SUITE_P(Strategies, ParallelEquivalence,
                            return std::get<0>(info.param) + "_" + std::get<1>(info.param);
                          });
 
+TEST(Parallel, ShardedWithActivationCheckpointingMatchesOneRank) {
+  // The backward pass recomputes each layer's forward inside the layer's backward hooks.
+  const std::string base = test::temp_dir("par_actckpt");
+  train_one(tiny(base + "/w1", "full", "sharded", 1, 3));
+  train_ranks(2, [&](int) {
+    TrainConfig c = tiny(base + "/w2", "full", "sharded", 2, 3);
+    c.activation_checkpointing = "full";
+    return c;
+  });
+  expect_close_runs(base + "/w1", base + "/w2", "full", 3);
+}
+
 // ---- sharded checkpoints across world sizes -----------------------------------------------------
 
 TEST(Parallel, ShardedCheckpointResumesOnOtherWorldSizes) {

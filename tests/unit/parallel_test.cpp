@@ -479,3 +479,28 @@ TEST(Parallel, BadStrategyIsAClearError) {
   }
   EXPECT_EQ(parse_train_config(kBase + "strategy: fsdp\n", "run.yaml").strategy, "sharded");
 }
+
+TEST(Parallel, PowerSgdStillLearnsTheTinyModel) {
+  // Lossy by design: not equal to the exact run, but it must learn about as well.
+  const std::string base = test::temp_dir("par_powersgd");
+  const int64_t steps = 30;
+  train_ranks(2, [&](int) { return tiny(base + "/exact", "full", "ddp", 2, steps); });
+  train_ranks(2, [&](int) {
+    TrainConfig c = tiny(base + "/psgd", "full", "ddp", 2, steps);
+    c.dist.powersgd_rank = 2;
+    return c;
+  });
+  auto a = losses(base + "/exact"), b = losses(base + "/psgd");
+  ASSERT_EQ(a.size(), size_t(steps));
+  ASSERT_EQ(b.size(), size_t(steps));
+  auto mean = [](const std::vector<double>& v, size_t from, size_t to) {
+    double s = 0;
+    for (size_t i = from; i < to; ++i) s += v[i];
+    return s / double(to - from);
+  };
+  const double first = mean(b, 0, 3), last = mean(b, b.size() - 5, b.size()), exact_last = mean(a, a.size() - 5, a.size());
+  fmt::print("powersgd: first {:.4f} last {:.4f}; exact last {:.4f}\n", first, last, exact_last);
+  EXPECT_NE(a.back(), b.back()) << "the gradients were not compressed";
+  EXPECT_LT(last, 0.8 * first);
+  EXPECT_LT(last, 1.15 * exact_last);
+}

@@ -24,8 +24,12 @@ namespace rig {
 class DataParallel : public StepHooks {
  public:
   // Allocates the model's gradients (zero_grad) so the buckets can refer to them; they must stay
-  // the same tensors afterwards (zero_grad zeroes in place).
-  DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes);
+  // the same tensors afterwards (zero_grad zeroes in place). powersgd_rank > 0 compresses the
+  // gradients of weight matrices to that rank (PowerSGD with error feedback, after the backward
+  // pass); vectors and small matrices still go through the buckets.
+  DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes, int powersgd_rank = 0,
+               uint64_t seed = 0);
+  ~DataParallel() override;
   // Only the micro-step whose backward ends the accumulation communicates.
   void set_sync(bool on) { sync_ = on; }
   void before(int, Phase) override {}
@@ -35,8 +39,13 @@ class DataParallel : public StepHooks {
   size_t num_buckets() const { return buckets_ ? buckets_->num_buckets() : 0; }
 
  private:
+  struct Compressed;
+  void powersgd();
+  dist::Communicator& comm_;
   std::unique_ptr<dist::BucketedAllReduce> buckets_;
   std::map<int, std::vector<size_t>> of_group_;  // group -> bucket tensor indices
+  std::vector<Compressed> compressed_;
+  int rank_ = 0;
   bool sync_ = true;
 };
 

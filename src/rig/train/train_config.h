@@ -66,6 +66,7 @@ struct DistSettings {
   // naming the rank that is missing.
   double timeout_s = 600;
   double bucket_mb = 25;  // data-parallel gradient buckets
+  int64_t powersgd_rank = 0;  // data-parallel gradient compression; 0: off
 };
 
 struct TrainConfig {

@@ -404,7 +404,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   }
   if (sharding && !shard) shard = std::make_unique<Sharded>(*comm, *model);
   if (comm && !sharding)
-    ddp = std::make_unique<DataParallel>(*comm, *model, size_t(cfg.dist.bucket_mb * (1 << 20)));
+    ddp = std::make_unique<DataParallel>(*comm, *model, size_t(cfg.dist.bucket_mb * (1 << 20)),
+                                         int(cfg.dist.powersgd_rank), cfg.seed);
   StepHooks* step_hooks = shard ? static_cast<StepHooks*>(shard.get()) : ddp.get();
   std::vector<Param>& opt_params = shard ? shard->params() : model->params();
 

@@ -15,6 +15,7 @@ pkgs=(
   libgtest-dev libgmock-dev  # unit tests
   libgloo-dev            # CPU collectives for distributed training
   libhwloc-dev           # topology in `rig doctor`
+  libhwloc-plugins       # hwloc reads topology XML files (doctor --topology-xml and its tests)
   patchelf               # scripts/bundle.sh sets RPATH $ORIGIN/lib on the relocatable bundle
   libcpp-httplib-dev     # Prometheus endpoint and dashboard of `rig watch`
   libclang-rt-14-dev     # libFuzzer / sanitizer runtimes for clang

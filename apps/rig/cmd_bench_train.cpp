@@ -1,5 +1,6 @@
 // rig bench train: training tokens/s and peak memory of the engine on a model shape.
 #include <chrono>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -11,7 +12,7 @@
 namespace {
 
 struct Opts {
-  std::string model;
+  std::string model, preset, precision = "auto", lora_targets = "all";
   int64_t hidden = 256, layers = 8, heads = 8, kv_heads = 4, inter = 688, vocab = 8000;
   int64_t batch = 4, seq = 256, steps = 5, warmup = 1;
   std::string method = "full", device = "cpu";
@@ -28,17 +29,39 @@ int run(const Opts& o) {
                         {"hidden_size", o.hidden},        {"intermediate_size", o.inter},
                         {"num_hidden_layers", o.layers},  {"num_attention_heads", o.heads},
                         {"num_key_value_heads", o.kv_heads}};
+    // The shapes of shared/bench/hf_baseline.py, for side-by-side runs.
+    if (o.preset == "llama3-1b")
+      j.update({{"hidden_size", 2048}, {"intermediate_size", 8192}, {"num_hidden_layers", 16},
+                {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"vocab_size", 128256},
+                {"tie_word_embeddings", true}, {"rope_theta", 500000.0}});
+    else if (o.preset == "llama3-8b")
+      j.update({{"hidden_size", 4096}, {"intermediate_size", 14336}, {"num_hidden_layers", 32},
+                {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"vocab_size", 128256},
+                {"tie_word_embeddings", false}, {"rope_theta", 500000.0}});
+    else if (!o.preset.empty())
+      rig::bad_input("--preset '{}' is not one of llama3-1b, llama3-8b", o.preset);
     m = rig::LlamaModel::random(rig::ModelConfig::from_json(j, "bench shape"), 1);
   }
   if (o.method == "lora") {
     rig::LoraConfig lc;
     lc.r = o.lora_r;
     lc.alpha = float(2 * o.lora_r);
+    if (o.lora_targets != "all") {
+      lc.targets.clear();
+      for (size_t p = 0; p <= o.lora_targets.size();) {
+        size_t e = std::min(o.lora_targets.find(',', p), o.lora_targets.size());
+        lc.targets.push_back(o.lora_targets.substr(p, e - p));
+        p = e + 1;
+      }
+    }
     m->add_lora(lc, 1);
   } else if (o.method != "full") {
     rig::bad_input("--method '{}' is not one of full, lora", o.method);
   }
   const rig::Device dev = rig::Device::parse(o.device);
+  const std::string precision = o.precision == "auto" ? (dev.is_cuda() ? "bf16" : "fp32") : o.precision;
+  if (precision != "bf16" && precision != "fp32") rig::bad_input("--precision '{}' is not one of auto, bf16, fp32", o.precision);
+  m->set_compute_dtype(precision == "bf16" ? rig::DType::BF16 : rig::DType::F32);
   m->to_device(dev);
   const auto& cfg = m->config();
   std::mt19937_64 rng(1);
@@ -51,20 +74,26 @@ int run(const Opts& o) {
   so.checkpointing = o.ckpt ? rig::Checkpointing::Full : rig::Checkpointing::None;
   auto& alloc = rig::allocator_for(dev);
   double secs = 0;
+  std::vector<double> losses;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) alloc.reset_peak();
     auto t0 = std::chrono::steady_clock::now();
     m->zero_grad();
-    m->step(b, so);
+    losses.push_back(m->step(b, so).loss());
+    if (!std::isfinite(losses.back())) rig::fail("step {}: the loss is {}", s, losses.back());
     opt.clip_and_step(m->params(), 1e-4f);
+    m->refresh_compute_weights();
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= o.warmup) secs += dt;
   }
   const double tokens = double(o.batch * o.seq * o.steps);
   const double n = double(m->num_parameters(false));
-  const double flops_per_token = (o.method == "full" ? 6.0 : 4.0) * n +
+  // Model FLOPs as shared/bench counts them: the input embedding is a lookup, not a product.
+  const double n_mat = cfg.tie_word_embeddings ? n : n - double(cfg.vocab_size * cfg.hidden_size);
+  const double flops_per_token = (o.method == "full" ? 6.0 : 4.0) * n_mat +
                                  12.0 * double(cfg.num_layers * cfg.hidden_size * o.seq);
   nlohmann::json r = {{"device", dev.str()},
+                      {"precision", precision},
                       {"method", o.method},
                       {"parameters", int64_t(n)},
                       {"trainable_parameters", m->num_parameters(true)},
@@ -74,7 +103,8 @@ int run(const Opts& o) {
                       {"tokens_per_s", tokens / secs},
                       {"tflops", tokens / secs * flops_per_token / 1e12},
                       {"step_ms", 1e3 * secs / double(o.steps)},
-                      {"peak_memory_bytes", alloc.peak()}};
+                      {"peak_memory_bytes", alloc.peak()},
+                      {"losses", losses}};
   if (o.json) {
     fmt::print("{}\n", r.dump());
   } else {
@@ -89,6 +119,9 @@ int run(const Opts& o) {
 
 rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memory", [](CLI::App& app) {
   auto o = std::make_shared<Opts>();
+  app.add_option("--preset", o->preset, "llama3-1b or llama3-8b: the shapes of shared/bench/hf_baseline.py");
+  app.add_option("--precision", o->precision, "auto (bf16 on CUDA), bf16 or fp32")->capture_default_str();
+  app.add_option("--lora-targets", o->lora_targets, "all, or modules like q_proj,k_proj,v_proj,o_proj")->capture_default_str();
   app.add_option("--model", o->model, "Hugging Face model folder (default: a random model of the shape below)");
   app.add_option("--hidden", o->hidden, "hidden size")->capture_default_str();
   app.add_option("--layers", o->layers, "layers")->capture_default_str();

@@ -40,6 +40,7 @@ int run_generate(const GenOpts& o) {
   go.temperature = o.temperature;
   go.top_p = o.top_p;
   go.seed = o.seed;
+  go.vocab_limit = tok.vocab_size();
   for (const auto& a : tok.added_tokens())
     if (a.special && (a.content.find("end") != std::string::npos || a.content.find("eot") != std::string::npos ||
                       a.content == "</s>"))

@@ -8,6 +8,8 @@
 // Backward checks hand both backends the same saved tensors (out, lse, rstd) for the same reason.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <cmath>
 #include <random>
 #include <string>
@@ -485,6 +487,24 @@ TEST(OpHarness, AddScaleSumSquares) {
     const double ref = ops::sum_squares(b), got = ops::sum_squares(gpu(b, dt));
     EXPECT_LE(std::abs(got - ref) / ref, 1e-9) << "sum_squares [" << name(dt) << "]";
   }
+}
+
+// cast rounds exactly as the CPU conversion does (nearest even), so the results are bitwise equal.
+TEST(OpHarness, CastIsBitwiseTheCpuConversion) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(13);
+  Tensor x = randn({989, 111}, g);
+  for (int64_t i = 0; i < x.numel(); i += 97) x.f32()[i] *= 1e30f;  // large values round too
+  for (DType src : kDtypes)
+    for (DType dst : kDtypes) {
+      Tensor in = src == DType::F32 ? x : x.to_dtype(src);
+      Tensor want = Tensor::empty(x.shape(), dst);
+      ops::cast(in, want);
+      Tensor out = Tensor::empty(x.shape(), dst, Device::cuda(0));
+      ops::cast(in.to(Device::cuda(0)), out);
+      Tensor got = out.to(Device::cpu());
+      EXPECT_EQ(std::memcmp(got.raw(), want.raw(), want.nbytes()), 0) << name(src) << " -> " << name(dst);
+    }
 }
 
 // The CUDA mask differs from the CPU one (counter-based hash vs mt19937), so the check is on its

@@ -9,6 +9,7 @@
 
 #include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
+#include "rig/model/lora.h"
 #include "rig/model/llama.h"
 #include "rig/optim/adamw.h"
 #include "rig/train/metrics.h"
@@ -63,13 +64,12 @@ TEST_P(GpuGolden, ForwardBackwardMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, GpuGolden, ::testing::Values("tiny-llama3", "tiny-qwen2"));
 
-TEST(GpuTraining, LossCurveFollowsTransformers) {
-  REQUIRE_GPU();
+// Replays the fixture's 300-step run (its batches, optimizer and 20-step warm-up) and returns the
+// worst relative difference from transformers' losses; fails at the first step past `tol`.
+static double replay_loss_curve(LlamaModel& m, double tol) {
   const std::string dir = data("hf/tiny-llama3/");
   auto ref = nlohmann::json::parse(read_file(dir + "loss_curve.json"));
   Tensor tokens = SafeTensorsFile::open(dir + "loss_curve_data.safetensors").get("tokens");
-  auto m = LlamaModel::load(dir + "model");
-  m->to_device(Device::cuda(0));
   OptimizerConfig oc;
   oc.lr = ref["optimizer"]["lr"];
   oc.beta1 = ref["optimizer"]["betas"][0];
@@ -86,15 +86,179 @@ TEST(GpuTraining, LossCurveFollowsTransformers) {
       for (int64_t t = 0; t < T; ++t)
         b.input_ids.data<int64_t>()[i * T + t] = b.labels.data<int64_t>()[i * T + t] =
             tokens.data<int64_t>()[(s * B + i) * row + t];
-    m->zero_grad();
-    double loss = m->step(b, StepOptions{}).loss();
-    opt.clip_and_step(m->params(), oc.lr * std::min(1.0f, float(s + 1) / 20.0f));
+    m.zero_grad();
+    double loss = m.step(b, StepOptions{}).loss();
+    opt.clip_and_step(m.params(), oc.lr * std::min(1.0f, float(s + 1) / 20.0f));
+    m.refresh_compute_weights();
     double rel = std::fabs(loss - ref["losses"][size_t(s)].get<double>()) / ref["losses"][size_t(s)].get<double>();
     worst = std::max(worst, rel);
-    ASSERT_LT(rel, 1e-2) << "step " << s;
+    if (rel >= tol) {
+      ADD_FAILURE() << "step " << s << ": loss " << loss << " vs " << ref["losses"][size_t(s)].get<double>();
+      break;
+    }
   }
-  std::printf("GPU loss curve: worst relative difference over %lld steps %.2e\n", (long long)steps, worst);
+  return worst;
 }
+
+TEST(GpuTraining, LossCurveFollowsTransformers) {
+  REQUIRE_GPU();
+  auto m = LlamaModel::load(data("hf/tiny-llama3/model"));
+  m->to_device(Device::cuda(0));
+  std::printf("GPU fp32 loss curve: worst relative difference %.2e\n", replay_loss_curve(*m, 1e-3));
+}
+
+// bf16 weights and activations, fp32 master weights and optimizer state: the curve stays within a
+// few percent of transformers' float32 one at every step.
+TEST(GpuTraining, Bf16LossCurveFollowsTransformers) {
+  REQUIRE_GPU();
+  auto m = LlamaModel::load(data("hf/tiny-llama3/model"));
+  m->set_compute_dtype(DType::BF16);
+  m->to_device(Device::cuda(0));
+  std::printf("GPU bf16 loss curve: worst relative difference %.2e\n", replay_loss_curve(*m, 3e-2));
+}
+
+// ---- bf16 mixed precision against the float32 references --------------------------------------
+// bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3); a few layers of products and
+// norms compound that to about 1e-2 on logits and a few 1e-2 on gradients. The tolerances below
+// are that, not fitted to one run: a wrong kernel or a missing cast is off by far more.
+
+namespace {
+
+TokenBatch fixture_batch(const SafeTensorsFile& f, const std::string& suffix = "") {
+  return TokenBatch{f.get("input_ids" + suffix).clone(), f.get("labels" + suffix).clone(), {}, {}};
+}
+
+OptimizerConfig optimizer_from(const nlohmann::json& c) {
+  OptimizerConfig oc;
+  oc.lr = c["lr"];
+  oc.beta1 = c["betas"][0];
+  oc.beta2 = c["betas"][1];
+  oc.eps = c["eps"];
+  oc.weight_decay = c["weight_decay"];
+  oc.max_grad_norm = c["clip_grad_norm"];
+  return oc;
+}
+
+std::unique_ptr<LlamaModel> bf16_model(const std::string& name, bool lora) {
+  auto m = LlamaModel::load(data("hf/" + name + "/model"));
+  if (lora) m->load_adapter(data("hf/" + name + "/lora_adapter"));
+  m->set_compute_dtype(DType::BF16);
+  m->to_device(Device::cuda(0));
+  return m;
+}
+
+class GpuBf16 : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+TEST_P(GpuBf16, ForwardBackwardWithinBf16OfTransformers) {
+  REQUIRE_GPU();
+  for (bool lora : {false, true}) {
+    auto m = bf16_model(GetParam(), lora);
+    auto fb = SafeTensorsFile::open(data("hf/" + GetParam() + "/forward_backward.safetensors"));
+    auto ref = lora ? SafeTensorsFile::open(data("hf/" + GetParam() + "/lora_forward_backward.safetensors")) : fb;
+    m->zero_grad();
+    Tensor logits;
+    StepOptions opt;
+    opt.logits = &logits;
+    auto r = m->step(fixture_batch(fb), opt);
+    const double want = ref.get_f32("loss").f32()[0];
+    const double e_logits = rel_err(logits, ref.get_f32("logits"));
+    EXPECT_NEAR(r.loss(), want, 1e-2 * want) << (lora ? "lora" : "full");
+    EXPECT_LT(e_logits, 2e-2) << (lora ? "lora" : "full");
+    double worst = 0;
+    int checked = 0;
+    for (auto& p : m->params()) {
+      if (!p.trainable) continue;
+      ASSERT_EQ(p.grad.dtype(), DType::F32) << p.name;
+      const double e = rel_err(p.grad, ref.get_f32("grad." + p.name));
+      EXPECT_LT(e, 6e-2) << p.name;
+      worst = std::max(worst, e);
+      ++checked;
+    }
+    EXPECT_GT(checked, 0);
+    std::printf("%s bf16 %s: loss %.6f vs %.6f, logits error %.2e, worst gradient error %.2e over %d\n",
+                GetParam().c_str(), lora ? "LoRA" : "full", r.loss(), want, e_logits, worst, checked);
+  }
+}
+
+TEST_P(GpuBf16, AdamWFiveStepsWithinBf16OfTorch) {
+  REQUIRE_GPU();
+  const auto refj = nlohmann::json::parse(read_file(data("hf/" + GetParam() + "/reference.json")));
+  auto batches = SafeTensorsFile::open(data("hf/" + GetParam() + "/adamw_5steps.safetensors"));
+  for (bool lora : {false, true}) {
+    auto m = bf16_model(GetParam(), lora);
+    const auto cfg = lora ? refj["lora"]["adamw"] : refj["adamw_5steps"];
+    OptimizerConfig oc = optimizer_from(cfg);
+    AdamW opt(oc);
+    double worst_loss = 0;
+    for (int s = 0; s < 5; ++s) {
+      m->zero_grad();
+      const double loss = m->step(fixture_batch(batches, "." + std::to_string(s)), StepOptions{}).loss();
+      const double want = cfg["losses"][s].get<double>();
+      EXPECT_NEAR(loss, want, 1e-2 * want) << (lora ? "lora" : "full") << " step " << s;
+      worst_loss = std::max(worst_loss, std::fabs(loss - want) / want);
+      opt.clip_and_step(m->params(), oc.lr);
+      m->refresh_compute_weights();
+    }
+    // The float32 master weights after five steps. Adam's update is a normalised gradient, so
+    // the weights carry the gradients' bf16 error, compounded over the steps.
+    auto ref = SafeTensorsFile::open(
+        data("hf/" + GetParam() + (lora ? "/lora_forward_backward.safetensors" : "/adamw_5steps.safetensors")));
+    double worst = 0;
+    for (auto& p : m->params()) {
+      if (!p.trainable) continue;
+      ASSERT_EQ(p.value.dtype(), DType::F32) << p.name;
+      const double e = rel_err(p.value, ref.get_f32((lora ? "trained." : "param.") + p.name));
+      EXPECT_LT(e, 8e-2) << p.name;
+      worst = std::max(worst, e);
+    }
+    std::printf("%s bf16 %s AdamW 5 steps: worst loss difference %.2e, worst weight error %.2e\n",
+                GetParam().c_str(), lora ? "LoRA" : "full", worst_loss, worst);
+  }
+}
+
+// Longer runs on a learnable sequence: the GPU in bf16 against the CPU oracle in float32, LoRA and
+// full, step by step.
+TEST_P(GpuBf16, LongerRunFollowsTheCpu) {
+  REQUIRE_GPU();
+  for (bool lora : {false, true}) {
+    std::vector<double> losses[2];
+    for (int gpu = 0; gpu < 2; ++gpu) {
+      auto m = LlamaModel::load(data("hf/" + GetParam() + "/model"));
+      if (lora) m->add_lora(LoraConfig{}, 7);
+      if (gpu) {
+        m->set_compute_dtype(DType::BF16);
+        m->to_device(Device::cuda(0));
+      }
+      OptimizerConfig oc;
+      oc.lr = lora ? 3e-3f : 1e-3f;
+      AdamW opt(oc);
+      const int64_t B = 4, T = 48, V = m->config().vocab_size;
+      for (int s = 0; s < 60; ++s) {
+        TokenBatch b{Tensor::empty({B, T}, DType::I64), Tensor::empty({B, T}, DType::I64), {}, {}};
+        for (int64_t i = 0; i < B * T; ++i)  // each row counts up by a row-specific stride
+          b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = ((i / T + s) * 7 + (i % T) * (1 + (i / T + s) % 3)) % std::min<int64_t>(V, 97);
+        m->zero_grad();
+        losses[gpu].push_back(m->step(b, StepOptions{}).loss());
+        opt.clip_and_step(m->params(), oc.lr);
+        m->refresh_compute_weights();
+      }
+    }
+    double worst = 0;
+    for (size_t s = 0; s < losses[0].size(); ++s) {
+      const double rel = std::fabs(losses[1][s] - losses[0][s]) / losses[0][s];
+      EXPECT_LT(rel, 5e-2) << (lora ? "lora" : "full") << " step " << s << ": " << losses[1][s] << " vs " << losses[0][s];
+      worst = std::max(worst, rel);
+    }
+    EXPECT_LT(losses[1].back(), 0.95 * losses[1].front()) << "the loss must fall";
+    std::printf("%s bf16 %s 60 steps: loss %.3f -> %.3f (CPU fp32 %.3f -> %.3f), worst step difference %.2e\n",
+                GetParam().c_str(), lora ? "LoRA" : "full", losses[1].front(), losses[1].back(),
+                losses[0].front(), losses[0].back(), worst);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, GpuBf16, ::testing::Values("tiny-llama3", "tiny-qwen2"));
 
 TEST(GpuTraining, DemoLearnsOnTheGpu) {
   REQUIRE_GPU();

@@ -42,8 +42,10 @@ enum { Q, K, V, O, GATE, UP, DOWN };
 
 Tensor fresh_on(Device d, const Shape& s, const char* what) { return Tensor::empty(s, DType::F32, d, what); }
 Tensor fresh(const Shape& s, const char* what) { return fresh_on(Device::cpu(), s, what); }
-// Scratch on the device of `like`.
-Tensor fresh_like(const Tensor& like, const Shape& s, const char* what) { return fresh_on(like.device(), s, what); }
+// Scratch on the device and in the dtype of `like`.
+Tensor fresh_like(const Tensor& like, const Shape& s, const char* what) {
+  return Tensor::empty(s, like.dtype(), like.device(), what);
+}
 
 uint64_t mix_seed(uint64_t seed, int layer, int proj) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 0xBF58476D1CE4E5B9ull + uint64_t(proj + 1);
@@ -82,8 +84,50 @@ std::vector<double> rope_inv_freq(const ModelConfig& cfg) {
   return inv;
 }
 
-void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay) {
-  params_.push_back(Param{name, std::move(t), Tensor(), true, no_decay});
+void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay, bool matrix) {
+  Tensor c = t;
+  params_.push_back(Param{name, std::move(t), Tensor(), std::move(c), true, no_decay, matrix});
+}
+
+void LlamaModel::bind_outer() {
+  embed_ = params_.front().compute;
+  final_norm_ = find_param("model.norm.weight")->value;
+  lm_head_ = cfg_.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->compute;
+}
+
+Tensor LlamaModel::act(const Shape& s, const char* what) const { return Tensor::empty(s, act_, dev_, what); }
+
+Tensor LlamaModel::to_act(const Tensor& x) const {
+  if (x.dtype() == act_) return x;
+  Tensor y = Tensor::empty(x.shape(), act_, x.device(), "activation copy");
+  ops::cast(x, y);
+  return y;
+}
+
+void LlamaModel::set_compute_dtype(DType dt) {
+  if (dt == act_) return;
+  RIG_CHECK(dt == DType::F32 || dt == DType::BF16, "compute dtype must be F32 or BF16, not {}", dtype_name(dt));
+  for (auto& p : params_) {
+    if (!p.matrix) continue;
+    if (dt == DType::F32) {
+      if (!p.trainable && p.value.dtype() != DType::F32) {
+        p.value = Tensor::empty(p.value.shape(), DType::F32, dev_, "parameter");
+        ops::cast(p.compute, p.value);
+      }
+      p.compute = p.value;
+    } else {
+      p.compute = Tensor::empty(p.value.shape(), dt, dev_, "bf16 weight");
+      ops::cast(p.value, p.compute);
+      if (!p.trainable) p.value = p.compute;  // frozen: the float32 copy is not needed
+    }
+  }
+  act_ = dt;
+  bind_outer();
+}
+
+void LlamaModel::refresh_compute_weights() {
+  for (auto& p : params_)
+    if (p.matrix && p.trainable && p.compute.raw() != p.value.raw()) ops::cast(p.value, p.compute);
 }
 
 void LlamaModel::build(const ModelConfig& cfg) {
@@ -96,7 +140,7 @@ void LlamaModel::build(const ModelConfig& cfg) {
   const int64_t in[7] = {h, h, h, cfg.q_dim(), h, h, f};
   const bool bias[7] = {cfg.qkv_bias, cfg.qkv_bias, cfg.qkv_bias, cfg.o_bias,
                         cfg.mlp_bias, cfg.mlp_bias, cfg.mlp_bias};
-  register_param("model.embed_tokens.weight", fresh({cfg.vocab_size, h}, "embed_tokens"), false);
+  register_param("model.embed_tokens.weight", fresh({cfg.vocab_size, h}, "embed_tokens"), false, true);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     auto L = std::make_unique<Layer>();
     std::string pre = fmt::format("model.layers.{}.", l);
@@ -104,36 +148,34 @@ void LlamaModel::build(const ModelConfig& cfg) {
       Linear& lin = L->proj[p];
       lin.module = pre + names[p];
       lin.w = int(params_.size());
-      register_param(lin.module + ".weight", fresh({out[p], in[p]}, names[p]), false);
+      register_param(lin.module + ".weight", fresh({out[p], in[p]}, names[p]), false, true);
       if (bias[p]) {
         lin.b = int(params_.size());
-        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true);
+        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, false);
       }
     }
     L->in_norm = int(params_.size());
-    register_param(pre + "input_layernorm.weight", fresh({h}, "norm"), true);
+    register_param(pre + "input_layernorm.weight", fresh({h}, "norm"), true, false);
     L->post_norm = int(params_.size());
-    register_param(pre + "post_attention_layernorm.weight", fresh({h}, "norm"), true);
+    register_param(pre + "post_attention_layernorm.weight", fresh({h}, "norm"), true, false);
     layers_.push_back(std::move(L));
   }
-  register_param("model.norm.weight", fresh({h}, "norm"), true);
+  register_param("model.norm.weight", fresh({h}, "norm"), true, false);
   if (!cfg.tie_word_embeddings)
-    register_param("lm_head.weight", fresh({cfg.vocab_size, h}, "lm_head"), false);
-  embed_ = params_.front().value;
-  final_norm_ = find_param("model.norm.weight")->value;
-  lm_head_ = cfg.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->value;
+    register_param("lm_head.weight", fresh({cfg.vocab_size, h}, "lm_head"), false, true);
+  bind_outer();
 }
 
 void LlamaModel::to_device(Device dev) {
   if (dev == dev_) return;
   for (auto& p : params_) {
+    const bool shared = p.compute.raw() == p.value.raw();
     p.value = p.value.to(dev, "parameter");
+    p.compute = shared ? p.value : p.compute.to(dev, "bf16 weight");
     if (p.grad.defined()) p.grad = p.grad.to(dev, "gradient");
   }
   dev_ = dev;
-  embed_ = params_.front().value;
-  final_norm_ = find_param("model.norm.weight")->value;
-  lm_head_ = cfg_.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->value;
+  bind_outer();
   rope_cos_ = rope_sin_ = Tensor();
 }
 
@@ -162,20 +204,33 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir) {
 std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t seed) {
   std::unique_ptr<LlamaModel> m(new LlamaModel());
   m->build(cfg);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 0.02f);
-  for (auto& p : m->params_) {
+  // Chunks with their own seeds: the same weights for any thread count, and fast enough for
+  // 8B-parameter shapes.
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  for (size_t pi = 0; pi < m->params_.size(); ++pi) {
+    Param& p = m->params_[pi];
     float* x = p.value.f32();
     const int64_t n = p.value.numel();
-    bool is_norm = p.name.find("norm") != std::string::npos;
-    bool is_bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
-    for (int64_t i = 0; i < n; ++i) x[i] = is_norm ? 1.0f : is_bias ? 0.0f : normal(rng);
+    const bool is_norm = p.name.find("norm") != std::string::npos;
+    const bool is_bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+    if (is_norm || is_bias) {
+      std::fill(x, x + n, is_norm ? 1.0f : 0.0f);
+      continue;
+    }
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t c = 0; c < chunks; ++c) {
+      std::mt19937_64 rng(mix_seed(seed, int(pi), int(c)));
+      std::normal_distribution<float> normal(0.0f, 0.02f);
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) x[i] = normal(rng);
+    }
   }
   return m;
 }
 
 void LlamaModel::add_lora(const LoraConfig& lora, uint64_t seed) {
   RIG_CHECK(!lora_, "LoRA is already attached");
+  RIG_CHECK(act_ == DType::F32, "attach LoRA before set_compute_dtype");
   lora.validate("lora");
   lora_ = lora;
   for (auto& p : params_) p.trainable = false;
@@ -192,9 +247,9 @@ void LlamaModel::add_lora(const LoraConfig& lora, uint64_t seed) {
       std::uniform_real_distribution<float> uni(-1.0f / std::sqrt(float(in)), 1.0f / std::sqrt(float(in)));
       for (int64_t i = 0; i < a.numel(); ++i) a.f32()[i] = uni(rng);
       lin.lora_a = int(params_.size());
-      register_param(pre + ".lora_A.default.weight", a.to(dev_, "lora_A"), false);
+      register_param(pre + ".lora_A.default.weight", a.to(dev_, "lora_A"), false, true);
       lin.lora_b = int(params_.size());
-      register_param(pre + ".lora_B.default.weight", b.to(dev_, "lora_B"), false);
+      register_param(pre + ".lora_B.default.weight", b.to(dev_, "lora_B"), false, true);
       lin.lora_scale = lora.scaling();
       lin.lora_dropout = lora.dropout;
     }
@@ -252,6 +307,7 @@ void LlamaModel::save_adapter(const std::string& dir) const {
 
 void LlamaModel::merge_lora() {
   RIG_CHECK(lora_, "merge_lora: no LoRA attached");
+  RIG_CHECK(act_ == DType::F32, "merge_lora needs float32 weights");
   for (auto& L : layers_)
     for (auto& lin : L->proj) {
       if (lin.lora_a < 0) continue;
@@ -353,9 +409,9 @@ void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, c
 
 #define RIG_LIN(lin)                                                                         \
   LinearRefs {                                                                               \
-    params_[size_t((lin).w)].value, (lin).b >= 0 ? params_[size_t((lin).b)].value : kNone,   \
-        (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].value : kNone,                     \
-        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].value : kNone,                     \
+    params_[size_t((lin).w)].compute, (lin).b >= 0 ? params_[size_t((lin).b)].value : kNone, \
+        (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].compute : kNone,                   \
+        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].compute : kNone,                   \
         grad_of((lin).w), grad_of((lin).b), grad_of((lin).lora_a), grad_of((lin).lora_b)     \
   }
 
@@ -378,39 +434,39 @@ void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenB
                    y, &a.xa[p]);
   };
   a.h_in = h_in;
-  a.xn1 = fresh_on(dev_, {N, H}, "xn1");
+  a.xn1 = act({N, H}, "xn1");
   a.rstd1 = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h_in, params_[size_t(L.in_norm)].value, eps, a.xn1, a.rstd1);
-  a.q = fresh_on(dev_, {N, cfg_.q_dim()}, "q");
-  a.k = fresh_on(dev_, {N, cfg_.kv_dim()}, "k");
-  a.v = fresh_on(dev_, {N, cfg_.kv_dim()}, "v");
+  a.q = act({N, cfg_.q_dim()}, "q");
+  a.k = act({N, cfg_.kv_dim()}, "k");
+  a.v = act({N, cfg_.kv_dim()}, "v");
   lin(Q, a.xn1, a.q);
   lin(K, a.xn1, a.k);
   lin(V, a.xn1, a.v);
   ops::rope_forward(a.q, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_heads));
   ops::rope_forward(a.k, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_kv_heads));
-  a.attn = fresh_on(dev_, {N, cfg_.q_dim()}, "attention out");
+  a.attn = act({N, cfg_.q_dim()}, "attention out");
   a.lse = fresh_on(dev_, {B, cfg_.num_heads, T}, "attention lse");
   Tensor o4 = a.attn.reshape({B, T, cfg_.num_heads, D});
   ops::attention_forward(a.q.reshape({B, T, cfg_.num_heads, D}),
                          a.k.reshape({B, T, cfg_.num_kv_heads, D}),
                          a.v.reshape({B, T, cfg_.num_kv_heads, D}), b.segment_ids, o4, a.lse);
   a.h_mid = h_in.clone("residual");
-  Tensor o = fresh_on(dev_, {N, H}, "o");
+  Tensor o = act({N, H}, "o");
   lin(O, a.attn, o);
   ops::add_(a.h_mid, o);
   o = Tensor();
-  a.xn2 = fresh_on(dev_, {N, H}, "xn2");
+  a.xn2 = act({N, H}, "xn2");
   a.rstd2 = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
-  a.g = fresh_on(dev_, {N, F}, "gate");
-  a.u = fresh_on(dev_, {N, F}, "up");
+  a.g = act({N, F}, "gate");
+  a.u = act({N, F}, "up");
   lin(GATE, a.xn2, a.g);
   lin(UP, a.xn2, a.u);
-  a.act = fresh_on(dev_, {N, F}, "swiglu");
+  a.act = act({N, F}, "swiglu");
   ops::swiglu_forward(a.g, a.u, a.act);
   a.h_out = a.h_mid.clone("residual");
-  Tensor d = fresh_on(dev_, {N, H}, "down");
+  Tensor d = act({N, H}, "down");
   lin(DOWN, a.act, d);
   ops::add_(a.h_out, d);
 }
@@ -433,10 +489,10 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
     dummy = Tensor::zeros(params_[size_t(idx)].value.shape(), DType::F32, dev_, "frozen norm grad");
     return dummy;
   };
-  // MLP
-  Tensor dact = fresh_on(dev_, {N, F}, "d swiglu");
-  lin_bwd(DOWN, a.act, dh, dact, false);
-  Tensor dg = fresh_on(dev_, {N, F}, "d gate"), du = fresh_on(dev_, {N, F}, "d up");
+  // MLP. The residual gradient dh stays float32; the matrix products read it in the compute dtype.
+  Tensor dact = act({N, F}, "d swiglu");
+  lin_bwd(DOWN, a.act, to_act(dh), dact, false);
+  Tensor dg = act({N, F}, "d gate"), du = act({N, F}, "d up");
   ops::swiglu_backward(dact, a.g, a.u, dg, du);
   dact = Tensor();
   Tensor dxn = fresh_on(dev_, {N, H}, "d xn2");
@@ -448,10 +504,9 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
                         norm_grad(L.post_norm));
   ops::add_(dh, dtmp);
   // Attention
-  Tensor dattn = fresh_on(dev_, {N, cfg_.q_dim()}, "d attention");
-  lin_bwd(O, a.attn, dh, dattn, false);
-  Tensor dq = fresh_on(dev_, {N, cfg_.q_dim()}, "dq"), dk = fresh_on(dev_, {N, cfg_.kv_dim()}, "dk"),
-         dv = fresh_on(dev_, {N, cfg_.kv_dim()}, "dv");
+  Tensor dattn = act({N, cfg_.q_dim()}, "d attention");
+  lin_bwd(O, a.attn, to_act(dh), dattn, false);
+  Tensor dq = act({N, cfg_.q_dim()}, "dq"), dk = act({N, cfg_.kv_dim()}, "dk"), dv = act({N, cfg_.kv_dim()}, "dv");
   const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads;
   Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}), dv4 = dv.reshape({B, T, Hk, D});
   ops::attention_backward(dattn.reshape({B, T, Hq, D}), a.q.reshape({B, T, Hq, D}),
@@ -470,6 +525,8 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
 
 StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   const Tensor& ids = batch.input_ids;
+  if (act_ != DType::F32 && !dev_.is_cuda())
+    bad_input("bf16 compute needs a CUDA device; the CPU backend computes in float32");
   RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64, "input_ids must be int64 [B, T], got {} {}",
             dtype_name(ids.dtype()), shape_str(ids.shape()));
   RIG_CHECK(batch.labels.shape() == ids.shape() && batch.labels.dtype() == DType::I64,
@@ -512,7 +569,7 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     if (ckpt || !opt.backward) acts[l].drop_all_but_input();
     if (!opt.backward) acts[l] = Acts{};
   }
-  Tensor hn = fresh_on(dev_, {N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
+  Tensor hn = act({N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
 
   // Targets: labels shifted left by one; the last position of each row has none.
@@ -542,8 +599,9 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     res.loss_sum += ops::cross_entropy(logits, tg, scale, opt.backward ? &logits : nullptr, &res.tokens);
     if (!opt.backward) continue;
     Tensor dx = dhn.slice_rows(r0, r1);
-    ops::gemm(logits, false, lm_head_, false, dx, 1.0f, 0.0f);
-    if (head->grad.defined()) ops::gemm(logits, true, x, false, head->grad, 1.0f, 1.0f);
+    Tensor dl = to_act(logits);  // float32 logits and their gradient; bf16 operands for the products
+    ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
+    if (head->grad.defined()) ops::gemm(dl, true, x, false, head->grad, 1.0f, 1.0f);
   }
   if (!opt.backward) {
     if (hk) {
@@ -598,7 +656,7 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
     posv.data<int64_t>()[0] = pos;
     Tensor idv = Tensor::empty({1}, DType::I64);
     idv.data<int64_t>()[0] = tok;
-    Tensor h = fresh_on(dev_, {1, H}, "decode"), xn = fresh_on(dev_, {1, H}, "decode"), rs = fresh_on(dev_, {1}, "decode");
+    Tensor h = fresh_on(dev_, {1, H}, "decode"), xn = act({1, H}, "decode"), rs = fresh_on(dev_, {1}, "decode");
     posv = posv.to(dev_, "position");
     idv = idv.to(dev_, "token");
     ops::embedding_forward(idv, embed_, h);
@@ -644,14 +702,14 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
         }
       }
       Tensor o = fresh_on(dev_, {1, H}, "o");
-      lin(O, att.to(dev_, "attention"), o);
+      lin(O, to_act(att.to(dev_, "attention")), o);
       ops::add_(h, o);
       ops::rmsnorm_forward(h, params_[size_t(L.post_norm)].value, eps, xn, rs);
-      Tensor g = fresh_on(dev_, {1, F}, "g"), u = fresh_on(dev_, {1, F}, "u"), act = fresh_on(dev_, {1, F}, "act");
+      Tensor g = fresh_on(dev_, {1, F}, "g"), u = fresh_on(dev_, {1, F}, "u"), sw = fresh_on(dev_, {1, F}, "swiglu");
       lin(GATE, xn, g);
       lin(UP, xn, u);
-      ops::swiglu_forward(g, u, act);
-      lin(DOWN, act, o);
+      ops::swiglu_forward(g, u, sw);
+      lin(DOWN, to_act(sw), o);
       ops::add_(h, o);
     }
     ++cache.len;
@@ -670,7 +728,7 @@ void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max
   for (const auto& p : params_) {
     if (p.name.find(".lora_") != std::string::npos) continue;
     Tensor host = p.value.device().is_cpu() ? p.value : p.value.to(Device::cpu(), p.name);
-    Tensor t = dtype == DType::F32 ? host : host.to_dtype(dtype);
+    Tensor t = host.dtype() == dtype ? host : host.to_dtype(DType::F32).to_dtype(dtype);
     if (cur > 0 && cur + t.nbytes() > max_shard_bytes) {
       shards.emplace_back();
       cur = 0;
@@ -698,12 +756,6 @@ void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max
     write_file_atomic((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
   }
   write_file_atomic((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
-}
-
-void LlamaModel::bind_outer() {
-  embed_ = params_.front().value;
-  final_norm_ = find_param("model.norm.weight")->value;
-  lm_head_ = cfg_.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->value;
 }
 
 std::vector<int> LlamaModel::param_groups() const {

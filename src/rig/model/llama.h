@@ -1,6 +1,9 @@
 // A LLaMA-family decoder (llama, qwen2, mistral) with explicit forward and backward per layer.
-// Weights and gradients are float32 on the CPU. Parameters carry their Hugging Face names; LoRA
-// parameters carry PEFT's (base_model.model.<module>.lora_A.default.weight).
+// Weights, gradients and activations are float32 by default. With a BF16 compute dtype (CUDA),
+// matrix products read bf16 weights and activations and accumulate in float32, while the
+// residual stream, norms, gradients and the trainable (master) weights stay float32.
+// Parameters carry their Hugging Face names; LoRA parameters carry PEFT's
+// (base_model.model.<module>.lora_A.default.weight).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -16,8 +19,13 @@ namespace rig {
 struct Param {
   std::string name;
   Tensor value, grad;  // grad is defined for trainable parameters after zero_grad()
+  // What the matrix products read: `value` itself, or a BF16 copy of a trainable matrix under a
+  // BF16 compute dtype (refresh_compute_weights() after changing `value`). Frozen matrices under
+  // BF16 are stored in BF16 only (value == compute).
+  Tensor compute;
   bool trainable = true;
   bool no_decay = false;  // norms and biases, for optimizers that exempt them
+  bool matrix = false;    // read by matrix products (linear, LoRA, embedding, LM head weights)
 };
 
 // input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.
@@ -71,6 +79,12 @@ class LlamaModel {
   // Moves every parameter (and later scratch) to `dev`. Weights stay float32 there.
   void to_device(Device dev);
   Device device() const { return dev_; }
+  // F32 (default) or BF16 (CUDA only). Call after to_device and after LoRA is attached.
+  void set_compute_dtype(DType dt);
+  DType compute_dtype() const { return act_; }
+  // Re-derives the BF16 copies of trainable matrices from their float32 values (after an
+  // optimizer step or a checkpoint load); a no-op in float32.
+  void refresh_compute_weights();
 
   // Adds LoRA to the targeted projections (A kaiming-uniform, B zero, as PEFT) and freezes
   // every base weight.
@@ -89,8 +103,8 @@ class LlamaModel {
   int64_t num_parameters(bool trainable_only) const;
   // The StepHooks group of every parameter (index into params()): its layer, or -1.
   std::vector<int> param_groups() const;
-  // Re-reads the embedding, final norm and lm_head from params() after Param::value was
-  // replaced outside a step (so the old tensors are not kept alive).
+  // Re-resolves the embedding, final norm and lm_head from params() after Param::value/compute
+  // were replaced outside a step (so the old tensors are not kept alive).
   void bind_outer();
   void zero_grad();  // allocates gradients for trainable parameters on first use
 
@@ -121,7 +135,9 @@ class LlamaModel {
  private:
   LlamaModel();
   void build(const ModelConfig& cfg);
-  void register_param(const std::string& name, Tensor t, bool no_decay);
+  void register_param(const std::string& name, Tensor t, bool no_decay, bool matrix);
+  Tensor act(const Shape& s, const char* what) const;  // an activation in the compute dtype
+  Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
   void layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed);
@@ -130,10 +146,11 @@ class LlamaModel {
   std::optional<LoraConfig> lora_;
   std::vector<Param> params_;
   std::vector<std::unique_ptr<Layer>> layers_;
-  Tensor embed_, final_norm_, lm_head_;
+  Tensor embed_, final_norm_, lm_head_;  // compute views (embed_ also feeds the embedding)
   Tensor rope_cos_, rope_sin_;
   Tensor cur_pos_;  // position ids of the batch in flight, flattened
   Device dev_;
+  DType act_ = DType::F32;
 };
 
 // Closed-form inverse frequencies with the config's rope scaling (float64).

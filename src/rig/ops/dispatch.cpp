@@ -61,6 +61,7 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
 void add_(Tensor& a, const Tensor& b, float alpha) { RIG_DISPATCH(a, add_(a, b, alpha)); }
 void scale_(Tensor& a, float s) { RIG_DISPATCH(a, scale_(a, s)); }
 double sum_squares(const Tensor& a) { RIG_DISPATCH(a, sum_squares(a)); }
+void cast(const Tensor& src, Tensor& dst) { RIG_DISPATCH(dst, cast(src, dst)); }
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
   RIG_DISPATCH(x, dropout(x, p, seed, out));
 }

@@ -50,6 +50,8 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
 void add_(Tensor& a, const Tensor& b, float alpha = 1.0f);  // a += alpha * b
 void scale_(Tensor& a, float s);
 double sum_squares(const Tensor& a);  // in double
+// dst = src converted to dst's dtype (F32 <-> BF16), same element count; rounds to nearest even.
+void cast(const Tensor& src, Tensor& dst);
 // Dropout: out = x * mask / (1 - p), mask drawn from (seed, offset); p = 0 copies.
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 

@@ -201,6 +201,7 @@ struct Sharded::PendingGrad {
 };
 
 Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), model_(model) {
+  RIG_CHECK(model.compute_dtype() == DType::F32, "sharded training needs float32 compute");
   auto members = unit_members(model, units_);
   auto& ps = model.params();
   const Device dev = model.device();
@@ -227,9 +228,12 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
     }
     if (units_[k].trainable) {
       u->param = int(shard_params_.size());
-      shard_params_.push_back(Param{units_[k].name, shard,
-                                    Tensor::zeros({u->fs.shard}, DType::F32, dev, "gradient shard"), true,
-                                    units_[k].no_decay});
+      Param sp;
+      sp.name = units_[k].name;
+      sp.value = sp.compute = shard;
+      sp.grad = Tensor::zeros({u->fs.shard}, DType::F32, dev, "gradient shard");
+      sp.no_decay = units_[k].no_decay;
+      shard_params_.push_back(std::move(sp));
     } else {
       u->shard = shard;
     }
@@ -237,7 +241,7 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
     state_.push_back(std::move(u));
   }
   for (auto& p : ps) {
-    p.value = Tensor();
+    p.value = p.compute = Tensor();
     p.grad = Tensor();
   }
   model.bind_outer();  // drops the model's own references to the full tensors
@@ -279,7 +283,9 @@ void Sharded::gather(Unit& u) {
   auto& ps = model_.params();
   for (size_t j = 0; j < u.members.size(); ++j) {
     const int64_t n = shape_numel(u.shapes[j]);
-    ps[u.members[j]].value = u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+    // Float32 compute (checked by the trainer): matrix products read the gathered values.
+    ps[u.members[j]].value = ps[u.members[j]].compute =
+        u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
   }
 }
 
@@ -301,7 +307,7 @@ void Sharded::release(Unit& u) {
     u.gathering->wait();
     u.gathering.reset();
   }
-  for (size_t i : u.members) model_.params()[i].value = Tensor();
+  for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
   u.full = Tensor();
 }
 

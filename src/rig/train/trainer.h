@@ -63,6 +63,9 @@ struct GenerateOptions {
   float top_p = 1;
   uint64_t seed = 0;
   std::vector<int32_t> stop_ids;
+  // Only ids below this are generated (0: the model's vocabulary). Models often pad their
+  // vocabulary past the tokenizer's; those rows are never valid output.
+  int64_t vocab_limit = 0;
 };
 std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt);

@@ -81,6 +81,33 @@ void scale_(Tensor& a, float s) {
   for (int64_t i = 0; i < n; ++i) pa[i] *= s;
 }
 
+void cast(const Tensor& src, Tensor& dst) {
+  RIG_CHECK(src.numel() == dst.numel() && src.device() == dst.device(), "cast: {} {} into {} {}",
+            src.device().str(), shape_str(src.shape()), dst.device().str(), shape_str(dst.shape()));
+  if (src.dtype() == dst.dtype()) {
+    copy_bytes(dst.raw(), dst.device(), src.raw(), src.device(), src.nbytes());
+    return;
+  }
+  RIG_CHECK(src.dtype() == DType::F32 || dst.dtype() == DType::F32, "cast: {} to {} is not supported",
+            dtype_name(src.dtype()), dtype_name(dst.dtype()));
+  // Chunks in parallel: model-sized casts (billions of elements) happen at load time.
+  constexpr int64_t kChunk = int64_t(1) << 20;
+  const int64_t n = src.numel(), chunks = (n + kChunk - 1) / kChunk;
+  auto* in = static_cast<const char*>(src.raw());
+  auto* out = static_cast<char*>(dst.raw());
+#pragma omp parallel for
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t b = c * kChunk, len = std::min(kChunk, n - b);
+    const void* i = in + dtype_nbytes(src.dtype(), b);
+    void* o = out + dtype_nbytes(dst.dtype(), b);
+    if (dst.dtype() == DType::F32) {
+      convert_to_f32(src.dtype(), i, static_cast<float*>(o), size_t(len));
+    } else {
+      convert_from_f32(dst.dtype(), static_cast<const float*>(i), o, size_t(len));
+    }
+  }
+}
+
 double sum_squares(const Tensor& a) {
   const int64_t n = a.numel();
   const float* pa = a.f32();

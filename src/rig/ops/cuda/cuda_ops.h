@@ -41,6 +41,7 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
 void add_(Tensor& a, const Tensor& b, float alpha);
 void scale_(Tensor& a, float s);
 double sum_squares(const Tensor& a);
+void cast(const Tensor& src, Tensor& dst);
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
 }  // namespace rig::ops::cuda

@@ -19,6 +19,13 @@ __global__ void scale_kernel(A* a, float s, int64_t n) {
     st(a, i, ld(a, i) * s);
 }
 
+template <typename S, typename D>
+__global__ void cast_kernel(const S* src, D* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    st(dst, i, ld(src, i));
+}
+
 // Each block sums a fixed, interleaved share of the elements in double; the partials are added in
 // block order by sum_doubles, so the result does not depend on scheduling.
 template <typename A>
@@ -69,6 +76,13 @@ cudaError_t add(T ta, void* a, T tb, const void* b, float alpha, int64_t n, cuda
   if (n == 0) return cudaSuccess;
   RIG_K_DISPATCH(ta, A, RIG_K_DISPATCH(tb, B, (add_kernel<A, B><<<grid_for(n, kThreads), kThreads, 0, s>>>(
                                                    static_cast<A*>(a), static_cast<const B*>(b), alpha, n))));
+  return cudaGetLastError();
+}
+
+cudaError_t cast(T tsrc, const void* src, T tdst, void* dst, int64_t n, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  RIG_K_DISPATCH(tsrc, S, RIG_K_DISPATCH(tdst, D, (cast_kernel<S, D><<<grid_for(n, kThreads), kThreads, 0, s>>>(
+                                                       static_cast<const S*>(src), static_cast<D*>(dst), n))));
   return cudaGetLastError();
 }
 

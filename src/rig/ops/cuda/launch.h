@@ -24,6 +24,7 @@ enum ErrorCode : int { kNoError = 0, kBadTokenId = 1, kBadRopePos = 2, kBadLabel
 // ---- elementwise.cu
 cudaError_t add(T ta, void* a, T tb, const void* b, float alpha, int64_t n, cudaStream_t s);
 cudaError_t scale(T ta, void* a, float sc, int64_t n, cudaStream_t s);
+cudaError_t cast(T tsrc, const void* src, T tdst, void* dst, int64_t n, cudaStream_t s);
 // Writes per-block partial sums (double) into `partial` [blocks]; `blocks` <= 1024.
 cudaError_t sum_squares_partial(T ta, const void* a, int64_t n, double* partial, int blocks,
                                 cudaStream_t s);

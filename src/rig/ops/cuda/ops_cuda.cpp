@@ -408,6 +408,17 @@ double sum_squares(const Tensor& a) {
   return h;
 }
 
+void cast(const Tensor& src, Tensor& dst) {
+  const char* op = "cast";
+  const int dev = dst.device().index;
+  check_on(src, dev, op, "src");
+  RIG_CHECK(src.numel() == dst.numel(), "cast: {} into {}", shape_str(src.shape()), shape_str(dst.shape()));
+  DeviceGuard g(dev);
+  check_status(k::cast(ktype(src, op, "src"), src.raw(), ktype(dst, op, "dst"), dst.raw(), src.numel(),
+                       stream_for(dev)),
+               op);
+}
+
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
   const char* op = "dropout";
   const int dev = x.device().index;

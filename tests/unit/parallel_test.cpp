@@ -45,12 +45,13 @@ std::string small_data() {
 }
 
 // The tiny pretrained llama3 fixture; `rows` rows per step in all, split as micro x accum x world.
-TrainConfig tiny(const std::string& out, const std::string& method, const std::string& strategy, int world,
-                 int64_t steps, int64_t accum = 2, int64_t rows = 8) {
+TrainConfig tiny(const std::string& out, const std::string& method, const std::string& strategy,
+                 int world, int64_t steps, int64_t accum = 2, int64_t rows = 8) {
   TrainConfig c = load_train_config(
       kSrc + "/tests/data/configs/tiny-llama3-lora.yaml",
-      {"model=" + kSrc + "/tests/data/hf/tiny-llama3/model", "tokenizer=" + kSrc + "/data/demo/tokenizer.json",
-       "datasets.0.path=" + small_data(), "output_dir=" + out, "method=" + method, "strategy=" + strategy,
+      {"model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
+       "tokenizer=" + kSrc + "/data/demo/tokenizer.json", "datasets.0.path=" + small_data(),
+       "output_dir=" + out, "method=" + method, "strategy=" + strategy,
        "max_steps=" + std::to_string(steps), "gradient_accumulation_steps=" + std::to_string(accum),
        "micro_batch_size=" + std::to_string(rows / accum / world), "packing=false", "eval.split=0",
        "save.every=0", "save.keep_last=0", "dist.timeout_s=30", "optimizer.lr=1e-2"});
@@ -66,9 +67,11 @@ std::vector<double> losses(const std::string& run) {
 
 // Runs train() on `world` ranks as threads, each with its own Gloo communicator (wrapped by
 // `wrap` when given). Rethrows the first rank's error.
-using Wrap = std::function<std::unique_ptr<dist::Communicator>(std::unique_ptr<dist::Communicator>)>;
+using Wrap =
+    std::function<std::unique_ptr<dist::Communicator>(std::unique_ptr<dist::Communicator>)>;
 std::vector<TrainResult> train_ranks(int world, const std::function<TrainConfig(int)>& cfg,
-                                     const std::function<TrainHooks(int)>& hooks = {}, const Wrap& wrap = {}) {
+                                     const std::function<TrainHooks(int)>& hooks = {},
+                                     const Wrap& wrap = {}) {
   dist::StoreServer server(0);
   std::vector<std::thread> ts;
   std::vector<TrainResult> results(static_cast<size_t>(world));
@@ -76,7 +79,8 @@ std::vector<TrainResult> train_ranks(int world, const std::function<TrainConfig(
   for (int r = 0; r < world; ++r)
     ts.emplace_back([&, r] {
       try {
-        auto store = std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
+        auto store =
+            std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
         dist::CommOptions o;
         o.timeout = 30s;
         std::unique_ptr<dist::Communicator> comm = dist::make_gloo(store, r, world, o);
@@ -91,7 +95,8 @@ std::vector<TrainResult> train_ranks(int world, const std::function<TrainConfig(
     });
   for (auto& t : ts) t.join();
   for (int r = 0; r < world; ++r)
-    if (!errors[size_t(r)].empty()) throw std::runtime_error(fmt::format("rank {}: {}", r, errors[size_t(r)]));
+    if (!errors[size_t(r)].empty())
+      throw std::runtime_error(fmt::format("rank {}: {}", r, errors[size_t(r)]));
   return results;
 }
 
@@ -107,12 +112,15 @@ std::string final_file(const std::string& run, const std::string& method) {
 }
 
 // Float32 reduction order differs between world sizes; nothing else may.
-void expect_close_runs(const std::string& ref, const std::string& got, const std::string& method, size_t steps) {
+void expect_close_runs(const std::string& ref, const std::string& got, const std::string& method,
+                       size_t steps) {
   auto a = losses(ref), b = losses(got);
   ASSERT_EQ(a.size(), steps) << ref;
   ASSERT_EQ(b.size(), steps) << got;
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
-  auto fa = SafeTensorsFile::open(final_file(ref, method)), fb = SafeTensorsFile::open(final_file(got, method));
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
+  auto fa = SafeTensorsFile::open(final_file(ref, method)),
+       fb = SafeTensorsFile::open(final_file(got, method));
   ASSERT_EQ(fa.tensors().size(), fb.tensors().size());
   // Weights: 1e-5 relative, plus 1e-6 absolute (1e-4 of one step at lr 1e-2) for the values
   // near zero, where Adam's normalised update carries the gradients' rounding differences.
@@ -122,7 +130,8 @@ void expect_close_runs(const std::string& ref, const std::string& got, const std
     Tensor x = fa.get_f32(t.name), y = fb.get_f32(t.name);
     ASSERT_EQ(x.numel(), y.numel()) << t.name;
     for (int64_t i = 0; i < x.numel(); ++i) {
-      const double a = x.f32()[i], d = std::abs(a - double(y.f32()[i])) / (1e-6 + 1e-5 * std::abs(a));
+      const double a = x.f32()[i],
+                   d = std::abs(a - double(y.f32()[i])) / (1e-6 + 1e-5 * std::abs(a));
       if (d > worst) {
         worst = d;
         where = fmt::format("{}[{}]: {} vs {}", t.name, i, x.f32()[i], y.f32()[i]);
@@ -136,7 +145,8 @@ void expect_close_runs(const std::string& ref, const std::string& got, const std
 
 // ---- equivalence with one rank ------------------------------------------------------------------
 
-class ParallelEquivalence : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+class ParallelEquivalence : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
+};
 
 TEST_P(ParallelEquivalence, TwoAndFourRanksMatchOneRank) {
   const auto [strategy, method] = GetParam();
@@ -152,7 +162,8 @@ TEST_P(ParallelEquivalence, TwoAndFourRanksMatchOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, ParallelEquivalence,
-                         ::testing::Combine(::testing::Values("ddp", "sharded"), ::testing::Values("lora", "full")),
+                         ::testing::Combine(::testing::Values("ddp", "sharded"),
+                                            ::testing::Values("lora", "full")),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" + std::get<1>(info.param);
                          });
@@ -186,14 +197,16 @@ TEST(Parallel, ShardedCheckpointResumesOnOtherWorldSizes) {
       return h;
     };
   };
-  auto r4 = train_ranks(4, [&](int) { return tiny(run, "full", "sharded", 4, steps); }, stop_after(2));
+  auto r4 = train_ranks(
+      4, [&](int) { return tiny(run, "full", "sharded", 4, steps); }, stop_after(2));
   EXPECT_TRUE(r4[0].interrupted);
   auto ck = latest_checkpoint(run);
   ASSERT_TRUE(ck);
   EXPECT_EQ(ck->step, 2);
   EXPECT_TRUE(fs::exists(ck->dir + "/shard-3-of-4.safetensors"));
   EXPECT_TRUE(verify_checkpoint(ck->dir).ok()) << verify_checkpoint(ck->dir).to_text();
-  auto r2 = train_ranks(2, [&](int) { return tiny(run, "full", "sharded", 2, steps); }, stop_after(2));
+  auto r2 = train_ranks(
+      2, [&](int) { return tiny(run, "full", "sharded", 2, steps); }, stop_after(2));
   EXPECT_EQ(latest_checkpoint(run)->step, 4);
   EXPECT_TRUE(fs::exists(latest_checkpoint(run)->dir + "/shard-1-of-2.safetensors"));
   auto r1 = train_one(tiny(run, "full", "sharded", 1, steps));
@@ -211,12 +224,14 @@ TEST(Parallel, ShardedCheckpointResumesOnOtherWorldSizes) {
 
 TEST(Parallel, ShardedCheckpointWithAnotherMethodIsAClearError) {
   const std::string run = test::temp_dir("par_badresume");
-  train_ranks(2, [&](int) { return tiny(run, "full", "sharded", 2, 3); }, [](int) {
-    TrainHooks h;
-    auto polls = std::make_shared<int>(0);
-    h.should_stop = [polls] { return ++*polls > 1; };
-    return h;
-  });
+  train_ranks(
+      2, [&](int) { return tiny(run, "full", "sharded", 2, 3); },
+      [](int) {
+        TrainHooks h;
+        auto polls = std::make_shared<int>(0);
+        h.should_stop = [polls] { return ++*polls > 1; };
+        return h;
+      });
   // LoRA on top of that checkpoint: other trainable units.
   TrainConfig c = tiny(run, "lora", "sharded", 1, 3);
   c.resume = latest_checkpoint(run)->dir;
@@ -228,7 +243,8 @@ TEST(Parallel, ShardedCheckpointWithAnotherMethodIsAClearError) {
   }
 }
 
-// ---- no communication on accumulation micro-steps -------------------------------------------------
+// ---- no communication on accumulation micro-steps
+// -------------------------------------------------
 
 namespace {
 
@@ -245,13 +261,16 @@ class CountingComm : public dist::Communicator {
     if (inner_->rank() == 0) ++*count_;
     return inner_->all_reduce_async(t, op);
   }
-  dist::WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, dist::ReduceOp op) override {
+  dist::WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out,
+                                     dist::ReduceOp op) override {
     return inner_->reduce_scatter_async(in, out, op);
   }
   dist::WorkPtr all_gather_async(const Tensor& in, const Tensor& out) override {
     return inner_->all_gather_async(in, out);
   }
-  dist::WorkPtr broadcast_async(const Tensor& t, int root) override { return inner_->broadcast_async(t, root); }
+  dist::WorkPtr broadcast_async(const Tensor& t, int root) override {
+    return inner_->broadcast_async(t, root);
+  }
   dist::WorkPtr barrier_async() override { return inner_->barrier_async(); }
 
  private:
@@ -267,10 +286,11 @@ TEST(Parallel, DataParallelCommunicatesOncePerOptimizerStep) {
   auto count_for = [&](int64_t accum) {
     std::atomic<int> n{0};
     const std::string out = base + fmt::format("/accum{}", accum);
-    train_ranks(2, [&](int) { return tiny(out, "lora", "ddp", 2, steps, accum, 8); }, {},
-                [&](std::unique_ptr<dist::Communicator> c) -> std::unique_ptr<dist::Communicator> {
-                  return std::make_unique<CountingComm>(std::move(c), &n);
-                });
+    train_ranks(
+        2, [&](int) { return tiny(out, "lora", "ddp", 2, steps, accum, 8); }, {},
+        [&](std::unique_ptr<dist::Communicator> c) -> std::unique_ptr<dist::Communicator> {
+          return std::make_unique<CountingComm>(std::move(c), &n);
+        });
     return n.load();
   };
   // Per step: the global token count, one bucket (the tiny model's gradients fit in one), the
@@ -284,11 +304,13 @@ TEST(Parallel, DataParallelCommunicatesOncePerOptimizerStep) {
 namespace {
 
 std::string cli_args(const std::string& out, int64_t steps, int64_t micro) {
-  return fmt::format("train {}/tests/data/configs/tiny-llama3-lora.yaml --quiet --output {} --set model={}/tests/data/hf/tiny-llama3/model "
-                     "--set tokenizer={}/data/demo/tokenizer.json --set datasets.0.path={} --set max_steps={} "
-                     "--set micro_batch_size={} --set gradient_accumulation_steps=2 --set packing=false "
-                     "--set eval.split=0 --set save.every=0 --set dist.timeout_s=20",
-                     kSrc, out, kSrc, kSrc, small_data(), steps, micro);
+  return fmt::format(
+      "train {}/tests/data/configs/tiny-llama3-lora.yaml --quiet --output {} --set "
+      "model={}/tests/data/hf/tiny-llama3/model "
+      "--set tokenizer={}/data/demo/tokenizer.json --set datasets.0.path={} --set max_steps={} "
+      "--set micro_batch_size={} --set gradient_accumulation_steps=2 --set packing=false "
+      "--set eval.split=0 --set save.every=0 --set dist.timeout_s=20",
+      kSrc, out, kSrc, kSrc, small_data(), steps, micro);
 }
 
 std::vector<pid_t> children_of(pid_t pid) {
@@ -318,7 +340,9 @@ TEST(Parallel, NprocPerNodeWritesOneRunEqualToOneProcess) {
   ASSERT_EQ(two.code, 0) << two.out;
   // Rank 0 alone reports and writes.
   size_t n = 0;
-  for (size_t p = two.out.find("trained 3 steps"); p != std::string::npos; p = two.out.find("trained 3 steps", p + 1)) ++n;
+  for (size_t p = two.out.find("trained 3 steps"); p != std::string::npos;
+       p = two.out.find("trained 3 steps", p + 1))
+    ++n;
   EXPECT_EQ(n, 1u) << two.out;
   expect_close_runs(base + "/one", base + "/two", "lora", 3);
   std::string log = read_file(base + "/two/train.log");
@@ -338,7 +362,8 @@ TEST(Parallel, KilledWorkerStopsTheOthersNamingIt) {
   bool running = false;
   for (int i = 0; i < 600 && !running; ++i) {
     std::this_thread::sleep_for(50ms);
-    running = fs::exists(out + "/run/metrics.jsonl") && fs::file_size(out + "/run/metrics.jsonl") > 0;
+    running =
+        fs::exists(out + "/run/metrics.jsonl") && fs::file_size(out + "/run/metrics.jsonl") > 0;
   }
   ASSERT_TRUE(running);
   auto workers = children_of(pid);
@@ -346,8 +371,8 @@ TEST(Parallel, KilledWorkerStopsTheOthersNamingIt) {
   pid_t rank1 = 0;
   for (pid_t w : workers) {
     std::ifstream env(fmt::format("/proc/{}/environ", w));
-    std::string all = std::string(1, '\0') +
-                      std::string((std::istreambuf_iterator<char>(env)), std::istreambuf_iterator<char>());
+    std::string all = std::string(1, '\0') + std::string((std::istreambuf_iterator<char>(env)),
+                                                         std::istreambuf_iterator<char>());
     if (all.find(std::string("\0RANK=1\0", 8)) != std::string::npos) rank1 = w;
   }
   ASSERT_NE(rank1, 0);
@@ -368,7 +393,8 @@ namespace {
 int64_t peak_memory(const std::string& run) {
   int64_t peak = 0;
   for (const auto& row : read_metrics(run + "/metrics.jsonl").rows)
-    if (row.contains("peak_memory_bytes")) peak = std::max<int64_t>(peak, row["peak_memory_bytes"].get<int64_t>());
+    if (row.contains("peak_memory_bytes"))
+      peak = std::max<int64_t>(peak, row["peak_memory_bytes"].get<int64_t>());
   return peak;
 }
 }  // namespace
@@ -377,19 +403,24 @@ TEST(Parallel, ShardedRankHoldsLessThanDataParallelAndEvaluates) {
   // Full fine-tuning of a model whose layers outweigh its activations: weights, gradients and both
   // AdamW moments are what a rank holds, and sharding halves them on 2 ranks.
   const std::string base = test::temp_dir("par_mem");
-  std::ofstream(base + "/cfg.yaml") << "init: random\n"
-                                       "architecture: {model_type: llama, vocab_size: 264, hidden_size: 192, "
-                                       "intermediate_size: 768, num_hidden_layers: 3, num_attention_heads: 4, "
-                                       "num_key_value_heads: 2, max_position_embeddings: 256, tie_word_embeddings: true}\n"
-                                       "tokenizer: " + kSrc + "/data/demo/tokenizer.json\n"
-                                       "datasets: [{path: " + small_data() + ", format: chat, template: chatml}]\n"
-                                       "method: full\nsequence_len: 64\npacking: false\nmicro_batch_size: 2\n"
-                                       "gradient_accumulation_steps: 2\nmax_steps: 2\n"
-                                       "schedule: {name: constant, warmup_steps: 0}\n"
-                                       "eval: {every: 0, split: 0.05, batches: 1, generate: 2}\nsave: {every: 0}\n";
+  std::ofstream(base + "/cfg.yaml")
+      << "init: random\n"
+         "architecture: {model_type: llama, vocab_size: 264, hidden_size: 192, "
+         "intermediate_size: 768, num_hidden_layers: 3, num_attention_heads: 4, "
+         "num_key_value_heads: 2, max_position_embeddings: 256, tie_word_embeddings: true}\n"
+         "tokenizer: " +
+             kSrc +
+             "/data/demo/tokenizer.json\n"
+             "datasets: [{path: " +
+             small_data() +
+             ", format: chat, template: chatml}]\n"
+             "method: full\nsequence_len: 64\npacking: false\nmicro_batch_size: 2\n"
+             "gradient_accumulation_steps: 2\nmax_steps: 2\n"
+             "schedule: {name: constant, warmup_steps: 0}\n"
+             "eval: {every: 0, split: 0.05, batches: 1, generate: 2}\nsave: {every: 0}\n";
   auto run = [&](const std::string& strategy) {
-    auto r = test::run_rig("train " + base + "/cfg.yaml --quiet --nproc-per-node 2 --output " + base + "/" +
-                           strategy + " --set strategy=" + strategy);
+    auto r = test::run_rig("train " + base + "/cfg.yaml --quiet --nproc-per-node 2 --output " +
+                           base + "/" + strategy + " --set strategy=" + strategy);
     EXPECT_EQ(r.code, 0) << r.out;
     return base + "/" + strategy;
   };
@@ -424,7 +455,8 @@ TEST(Parallel, SigintToTheLauncherCheckpointsOnEveryRankAtOneStep) {
   bool running = false;
   for (int i = 0; i < 600 && !running; ++i) {
     std::this_thread::sleep_for(50ms);
-    running = fs::exists(out + "/run/metrics.jsonl") && fs::file_size(out + "/run/metrics.jsonl") > 0;
+    running =
+        fs::exists(out + "/run/metrics.jsonl") && fs::file_size(out + "/run/metrics.jsonl") > 0;
   }
   ASSERT_TRUE(running);
   auto workers = children_of(pid);
@@ -444,15 +476,17 @@ TEST(Parallel, SigintToTheLauncherCheckpointsOnEveryRankAtOneStep) {
 TEST(Parallel, RankThatThrowsIsNamedByTheOthers) {
   const std::string run = test::temp_dir("par_throw");
   try {
-    train_ranks(3, [&](int) { return tiny(run, "lora", "ddp", 3, 50, 1, 3); }, [](int r) {
-      TrainHooks h;
-      auto polls = std::make_shared<int>(0);
-      h.should_stop = [polls, r] {
-        if (r == 1 && ++*polls == 3) throw std::runtime_error("injected failure");
-        return false;
-      };
-      return h;
-    });
+    train_ranks(
+        3, [&](int) { return tiny(run, "lora", "ddp", 3, 50, 1, 3); },
+        [](int r) {
+          TrainHooks h;
+          auto polls = std::make_shared<int>(0);
+          h.should_stop = [polls, r] {
+            if (r == 1 && ++*polls == 3) throw std::runtime_error("injected failure");
+            return false;
+          };
+          return h;
+        });
     FAIL() << "training went on without rank 1";
   } catch (const std::runtime_error& e) {
     // Rank 0 reports first: it names rank 1 rather than hanging until the timeout.
@@ -498,7 +532,8 @@ TEST(Parallel, PowerSgdStillLearnsTheTinyModel) {
     for (size_t i = from; i < to; ++i) s += v[i];
     return s / double(to - from);
   };
-  const double first = mean(b, 0, 3), last = mean(b, b.size() - 5, b.size()), exact_last = mean(a, a.size() - 5, a.size());
+  const double first = mean(b, 0, 3), last = mean(b, b.size() - 5, b.size()),
+               exact_last = mean(a, a.size() - 5, a.size());
   fmt::print("powersgd: first {:.4f} last {:.4f}; exact last {:.4f}\n", first, last, exact_last);
   EXPECT_NE(a.back(), b.back()) << "the gradients were not compressed";
   EXPECT_LT(last, 0.8 * first);

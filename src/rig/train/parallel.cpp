@@ -23,8 +23,8 @@ struct DataParallel::Compressed {
   Tensor grad, q, error;  // grad [n, m], q [m, r], error [n, m]
 };
 
-DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes, int powersgd_rank,
-                           uint64_t seed)
+DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes,
+                           int powersgd_rank, uint64_t seed)
     : comm_(comm), rank_(powersgd_rank) {
   model.zero_grad();
   const std::vector<int> groups = model.param_groups();
@@ -58,7 +58,8 @@ DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t b
       tensors.push_back(gr);
     }
   if (!tensors.empty())
-    buckets_ = std::make_unique<dist::BucketedAllReduce>(comm, std::move(tensors), bucket_bytes, dist::ReduceOp::Sum);
+    buckets_ = std::make_unique<dist::BucketedAllReduce>(comm, std::move(tensors), bucket_bytes,
+                                                         dist::ReduceOp::Sum);
 }
 
 DataParallel::~DataParallel() = default;
@@ -108,7 +109,8 @@ void DataParallel::powersgd() {
     nq += c.grad.dim(1) * rank_;
   }
   const Device dev = compressed_[0].grad.device();
-  Tensor pall = Tensor::empty({np}, DType::F32, dev, "powersgd p"), qall = Tensor::empty({nq}, DType::F32, dev, "powersgd q");
+  Tensor pall = Tensor::empty({np}, DType::F32, dev, "powersgd p"),
+         qall = Tensor::empty({nq}, DType::F32, dev, "powersgd q");
   std::vector<Tensor> ps, qs;
   int64_t op = 0, oq = 0;
   for (auto& c : compressed_) {
@@ -147,7 +149,8 @@ int64_t FlatUnit::numel() const {
 
 namespace {
 
-std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vector<FlatUnit>& units) {
+std::vector<std::vector<size_t>> unit_members(const LlamaModel& model,
+                                              std::vector<FlatUnit>& units) {
   const std::vector<int> groups = model.param_groups();
   const auto& ps = model.params();
   int layers = 0;
@@ -159,8 +162,10 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vect
       u.group = g;
       u.trainable = kind < 2;
       u.no_decay = kind == 1;
-      u.name = (g < 0 ? std::string("outer") : fmt::format("layer.{}", g)) +
-               (kind == 0 ? ".decay" : kind == 1 ? ".no_decay" : ".frozen");
+      u.name =
+          (g < 0 ? std::string("outer") : fmt::format("layer.{}", g)) + (kind == 0   ? ".decay"
+                                                                         : kind == 1 ? ".no_decay"
+                                                                                     : ".frozen");
       std::vector<size_t> m;
       for (size_t i = 0; i < ps.size(); ++i) {
         if (groups[i] != g || ps[i].trainable != u.trainable) continue;
@@ -188,9 +193,9 @@ struct Sharded::Unit {
   std::vector<Shape> shapes;
   std::vector<int64_t> offsets;
   dist::FlatShard fs;
-  Tensor shard;        // frozen units; trainable ones live in shard_params_
-  int param = -1;      // index into shard_params_
-  Tensor full, gfull;  // gathered weights and full gradients while in use
+  Tensor shard;             // frozen units; trainable ones live in shard_params_
+  int param = -1;           // index into shard_params_
+  Tensor full, gfull;       // gathered weights and full gradients while in use
   dist::WorkPtr gathering;  // a prefetch in flight into `full`
 };
 
@@ -333,7 +338,8 @@ void Sharded::before(int group, Phase phase) {
       u.gfull = Tensor::zeros({u.fs.padded}, DType::F32, u.full.device(), "full gradients");
       for (size_t j = 0; j < u.members.size(); ++j) {
         const int64_t n = shape_numel(u.shapes[j]);
-        ps[u.members[j]].grad = u.gfull.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+        ps[u.members[j]].grad =
+            u.gfull.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
       }
     }
   }
@@ -378,8 +384,10 @@ void Sharded::release_all() {
 
 std::vector<std::pair<std::string, Tensor>> Sharded::shard_tensors(const AdamW& opt) const {
   std::vector<std::pair<std::string, Tensor>> out;
-  for (const auto& p : shard_params_) out.emplace_back("param." + p.name, p.value.to(Device::cpu(), "checkpoint"));
-  for (auto& [name, t] : opt.state_tensors()) out.emplace_back(name, t.to(Device::cpu(), "checkpoint"));
+  for (const auto& p : shard_params_)
+    out.emplace_back("param." + p.name, p.value.to(Device::cpu(), "checkpoint"));
+  for (auto& [name, t] : opt.state_tensors())
+    out.emplace_back(name, t.to(Device::cpu(), "checkpoint"));
   return out;
 }
 
@@ -409,7 +417,8 @@ void Sharded::load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device
     };
     Param& sp = shard_params_[size_t(u.param)];
     if (!fill("param.", sp.value)) bad_input("checkpoint has no parameters for '{}'", fu.name);
-    Tensor m = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw m"), v = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw v");
+    Tensor m = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw m"),
+           v = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw v");
     if (fill("adamw.m.", m) && fill("adamw.v.", v)) {
       opt_state["adamw.m." + fu.name] = m;
       opt_state["adamw.v." + fu.name] = v;
@@ -460,19 +469,24 @@ LoaderState resplit_loader_state(const std::vector<LoaderState>& saved, int rank
   if (old_world == world) return saved[size_t(rank)];
   for (const auto& s : saved)
     if (!(s == saved[0]))
-      bad_input("{}: written by {} ranks whose data positions differ (packing), so the data stream "
-                "cannot be re-split for {} ranks; resume it on {} ranks or set packing: false",
-                ckpt_dir, old_world, world, old_world);
+      bad_input(
+          "{}: written by {} ranks whose data positions differ (packing), so the data stream "
+          "cannot be re-split for {} ranks; resume it on {} ranks or set packing: false",
+          ckpt_dir, old_world, world, old_world);
   const uint64_t global = saved[0].index * uint64_t(old_world);
   if (global % uint64_t(world) != 0)
-    bad_input("{}: {} samples of epoch {} are done, which {} ranks cannot split evenly; resume on a "
-              "world size that divides it", ckpt_dir, global, saved[0].epoch, world);
+    bad_input(
+        "{}: {} samples of epoch {} are done, which {} ranks cannot split evenly; resume on a "
+        "world size that divides it",
+        ckpt_dir, global, saved[0].epoch, world);
   return LoaderState{saved[0].epoch, global / uint64_t(world)};
 }
 
 // ---- sharded checkpoint files -------------------------------------------------------------------
 
-std::string shard_file_name(int rank, int world) { return fmt::format("shard-{}-of-{}.safetensors", rank, world); }
+std::string shard_file_name(int rank, int world) {
+  return fmt::format("shard-{}-of-{}.safetensors", rank, world);
+}
 
 namespace {
 
@@ -482,7 +496,8 @@ std::vector<FlatUnit> units_of_layout(const json& layout) {
     FlatUnit f;
     f.name = u.at("name");
     f.trainable = u.at("trainable");
-    for (const auto& p : u.at("params")) f.params.emplace_back(p.at(0).get<std::string>(), p.at(1).get<int64_t>());
+    for (const auto& p : u.at("params"))
+      f.params.emplace_back(p.at(0).get<std::string>(), p.at(1).get<int64_t>());
     out.push_back(std::move(f));
   }
   return out;
@@ -490,7 +505,8 @@ std::vector<FlatUnit> units_of_layout(const json& layout) {
 
 }  // namespace
 
-void check_layout(const json& saved_layout, const std::vector<FlatUnit>& units, const std::string& ckpt_dir) {
+void check_layout(const json& saved_layout, const std::vector<FlatUnit>& units,
+                  const std::string& ckpt_dir) {
   std::map<std::string, const FlatUnit*> saved;
   auto su = units_of_layout(saved_layout);
   for (const auto& u : su) saved[u.name] = &u;
@@ -498,15 +514,21 @@ void check_layout(const json& saved_layout, const std::vector<FlatUnit>& units, 
     if (!u.trainable) continue;
     auto it = saved.find(u.name);
     if (it == saved.end())
-      bad_input("{}: the checkpoint has no parameter unit '{}': it was written for another model or method",
-                ckpt_dir, u.name);
+      bad_input(
+          "{}: the checkpoint has no parameter unit '{}': it was written for another model or "
+          "method",
+          ckpt_dir, u.name);
     if (it->second->params != u.params)
-      bad_input("{}: parameter unit '{}' holds other tensors or shapes than this model's ({} vs {} elements): "
-                "it was written for another model", ckpt_dir, u.name, it->second->numel(), u.numel());
+      bad_input(
+          "{}: parameter unit '{}' holds other tensors or shapes than this model's ({} vs {} "
+          "elements): "
+          "it was written for another model",
+          ckpt_dir, u.name, it->second->numel(), u.numel());
   }
 }
 
-Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir, const json& saved_layout) {
+Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir,
+                                               const json& saved_layout) {
   const int old_world = saved_layout.at("world").get<int>();
   json manifest = json::parse(read_file((fs::path(ckpt_dir) / "manifest.json").string()));
   auto files = std::make_shared<std::vector<std::optional<SafeTensorsFile>>>(size_t(old_world));
@@ -514,7 +536,8 @@ Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir, cons
     auto& f = (*files)[size_t(r)];
     if (!f) {
       std::string name = shard_file_name(r, old_world), path = (fs::path(ckpt_dir) / name).string();
-      if (!manifest["files"].contains(name)) bad_input("{}: the manifest does not list {}", ckpt_dir, name);
+      if (!manifest["files"].contains(name))
+        bad_input("{}: the manifest does not list {}", ckpt_dir, name);
       if (!fs::exists(path)) bad_input("{}: shard file {} is missing", ckpt_dir, name);
       if (xxh3_file_hex(path) != manifest["files"][name].at("xxh3").get<std::string>())
         bad_input("{}: checksum does not match the manifest (corrupted on disk?)", path);
@@ -522,7 +545,8 @@ Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir, cons
     }
     return *f;
   };
-  return [open, old_world](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end, float* out) {
+  return [open, old_world](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end,
+                           float* out) {
     const dist::FlatShard fs = dist::FlatShard::of(u.numel(), old_world);
     for (int r = 0; r < old_world && begin < end; ++r) {
       const int64_t b = fs.begin(r), e = b + fs.shard;
@@ -532,7 +556,8 @@ Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir, cons
       const std::string key = prefix + u.name;
       if (!f.has(key)) return false;
       Tensor t = f.get_f32(key);
-      if (t.numel() != fs.shard) bad_input("tensor '{}' has {} elements, expected {}", key, t.numel(), fs.shard);
+      if (t.numel() != fs.shard)
+        bad_input("tensor '{}' has {} elements, expected {}", key, t.numel(), fs.shard);
       std::copy(t.f32() + (lo - b), t.f32() + (hi - b), out + (lo - begin));
     }
     return true;
@@ -540,15 +565,18 @@ Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir, cons
 }
 
 Sharded::RangeReader named_tensor_reader(const std::map<std::string, Tensor>& tensors) {
-  return [&tensors](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end, float* out) {
+  return [&tensors](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end,
+                    float* out) {
     int64_t off = 0;
     for (const auto& [name, n] : u.params) {
       const int64_t lo = std::max(begin, off), hi = std::min(end, off + n);
       if (lo < hi) {
         auto it = tensors.find(prefix + name);
         if (it == tensors.end()) return false;
-        Tensor t = it->second.device().is_cpu() ? it->second : it->second.to(Device::cpu(), "checkpoint");
-        if (t.numel() != n) bad_input("tensor '{}{}' has {} elements, expected {}", prefix, name, t.numel(), n);
+        Tensor t =
+            it->second.device().is_cpu() ? it->second : it->second.to(Device::cpu(), "checkpoint");
+        if (t.numel() != n)
+          bad_input("tensor '{}{}' has {} elements, expected {}", prefix, name, t.numel(), n);
         std::copy(t.f32() + (lo - off), t.f32() + (hi - off), out + (lo - begin));
       }
       off += n;
@@ -557,7 +585,8 @@ Sharded::RangeReader named_tensor_reader(const std::map<std::string, Tensor>& te
   };
 }
 
-std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir, const json& saved_layout) {
+std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir,
+                                                    const json& saved_layout) {
   auto read = sharded_checkpoint_reader(ckpt_dir, saved_layout);
   std::map<std::string, Tensor> out;
   for (const auto& u : units_of_layout(saved_layout)) {

@@ -27,8 +27,8 @@ class DataParallel : public StepHooks {
   // the same tensors afterwards (zero_grad zeroes in place). powersgd_rank > 0 compresses the
   // gradients of weight matrices to that rank (PowerSGD with error feedback, after the backward
   // pass); vectors and small matrices still go through the buckets.
-  DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes, int powersgd_rank = 0,
-               uint64_t seed = 0);
+  DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes,
+               int powersgd_rank = 0, uint64_t seed = 0);
   ~DataParallel() override;
   // Only the micro-step whose backward ends the accumulation communicates.
   void set_sync(bool on) { sync_ = on; }
@@ -87,8 +87,8 @@ class Sharded : public StepHooks {
   // Fills this rank's shards (and optimizer state) from `read`, which gives [begin, end) of a
   // unit's flat vector for a prefix ("param.", "adamw.m.", "adamw.v."), or false when the
   // checkpoint has none (optimizer state before the first step).
-  using RangeReader = std::function<bool(const std::string& prefix, const FlatUnit& u, int64_t begin,
-                                         int64_t end, float* out)>;
+  using RangeReader = std::function<bool(const std::string& prefix, const FlatUnit& u,
+                                         int64_t begin, int64_t end, float* out)>;
   void load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device dev);
 
  private:
@@ -104,7 +104,7 @@ class Sharded : public StepHooks {
   std::map<int, std::vector<size_t>> of_group_;
   std::vector<Param> shard_params_;
   std::vector<PendingGrad> pending_;  // reduce-scatters overlapping the next layer's backward
-  bool pinned_ = false;  // gather_all: keep everything until release_all
+  bool pinned_ = false;               // gather_all: keep everything until release_all
 };
 
 // Loader positions of every rank (a collective when comm is set).
@@ -119,14 +119,17 @@ LoaderState resplit_loader_state(const std::vector<LoaderState>& saved, int rank
 std::string shard_file_name(int rank, int world);
 // A reader over the shard files of a checkpoint written by `saved_layout["world"]` ranks; checks
 // each file against the manifest once.
-Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir, const nlohmann::json& saved_layout);
+Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir,
+                                               const nlohmann::json& saved_layout);
 // A reader over named full tensors (a checkpoint of an unsharded run).
 Sharded::RangeReader named_tensor_reader(const std::map<std::string, Tensor>& tensors);
 // Every unit of a sharded checkpoint as named full tensors ("param.<name>", "adamw.m.<name>",
 // ...), for resuming it without sharding.
-std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir, const nlohmann::json& saved_layout);
+std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir,
+                                                    const nlohmann::json& saved_layout);
 // Checks a saved layout against the current model's units; InputError naming the first mismatch.
-void check_layout(const nlohmann::json& saved_layout, const std::vector<FlatUnit>& units, const std::string& ckpt_dir);
+void check_layout(const nlohmann::json& saved_layout, const std::vector<FlatUnit>& units,
+                  const std::string& ckpt_dir);
 // The units a model's parameters form (without sharding anything).
 std::vector<FlatUnit> flat_units(const LlamaModel& model);
 

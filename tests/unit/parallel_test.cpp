@@ -243,6 +243,40 @@ TEST(Parallel, ShardedCheckpointWithAnotherMethodIsAClearError) {
   }
 }
 
+TEST(Parallel, VerifyScansEveryRanksShards) {
+  const std::string run = test::temp_dir("par_verify");
+  train_ranks(2, [&](int) { return tiny(run, "full", "sharded", 2, 3); }, [](int) {
+    TrainHooks h;
+    auto polls = std::make_shared<int>(0);
+    h.should_stop = [polls] { return ++*polls > 1; };
+    return h;
+  });
+  auto ck = latest_checkpoint(run);
+  ASSERT_TRUE(ck);
+  auto ok = verify_checkpoint(ck->dir);
+  EXPECT_TRUE(ok.ok()) << ok.to_text();
+  EXPECT_GT(ok.tensors_scanned, 10u);
+  // A NaN in rank 1's file: the checksum and the value scan both name that file.
+  const std::string file = ck->dir + "/shard-1-of-2.safetensors";
+  uint64_t header = 0, offset = 0;
+  {
+    auto f = SafeTensorsFile::open(file);
+    offset = f.info("param.layer.0.decay").begin;
+    std::ifstream in(file, std::ios::binary);
+    in.read(reinterpret_cast<char*>(&header), 8);
+  }
+  const float nan = std::nanf("");
+  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekp(std::streamoff(8 + header + offset));
+  io.write(reinterpret_cast<const char*>(&nan), 4);
+  io.close();
+  auto bad = verify_checkpoint(ck->dir);
+  EXPECT_FALSE(bad.ok());
+  std::string text = bad.to_text();
+  EXPECT_NE(text.find("shard-1-of-2.safetensors"), std::string::npos) << text;
+  EXPECT_NE(text.find("1 NaN"), std::string::npos) << text;
+}
+
 // ---- no communication on accumulation micro-steps
 // -------------------------------------------------
 

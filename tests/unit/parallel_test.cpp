@@ -222,6 +222,41 @@ TEST(Parallel, ShardedCheckpointResumesOnOtherWorldSizes) {
   expect_close_runs(base + "/ref_lora", run2, "lora", size_t(steps));
 }
 
+TEST(Parallel, DataParallelCheckpointResumesOnOneRank) {
+  const std::string base = test::temp_dir("par_ddp_resume");
+  const int64_t steps = 4;
+  train_one(tiny(base + "/ref", "lora", "ddp", 1, steps));
+  train_ranks(2, [&](int) { return tiny(base + "/run", "lora", "ddp", 2, steps); }, [](int) {
+    TrainHooks h;
+    auto polls = std::make_shared<int>(0);
+    h.should_stop = [polls] { return ++*polls > 2; };
+    return h;
+  });
+  EXPECT_EQ(latest_checkpoint(base + "/run")->step, 2);
+  train_one(tiny(base + "/run", "lora", "ddp", 1, steps));
+  expect_close_runs(base + "/ref", base + "/run", "lora", size_t(steps));
+
+  // Packed rows: the ranks' data positions differ, so another world size cannot re-split them.
+  TrainConfig packed = tiny(base + "/packed", "lora", "ddp", 2, steps);
+  packed.packing = true;
+  packed.sequence_len = 512;  // several samples per row, a different number on each rank
+  train_ranks(2, [&](int) { return packed; }, [](int) {
+    TrainHooks h;
+    auto polls = std::make_shared<int>(0);
+    h.should_stop = [polls] { return ++*polls > 1; };
+    return h;
+  });
+  TrainConfig one = tiny(base + "/packed", "lora", "ddp", 1, steps);
+  one.packing = true;
+  one.sequence_len = 512;
+  try {
+    train_one(one);
+    FAIL() << "re-split packed positions";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("packing"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Parallel, ShardedCheckpointWithAnotherMethodIsAClearError) {
   const std::string run = test::temp_dir("par_badresume");
   train_ranks(

@@ -586,7 +586,7 @@ TEST(Parallel, BadStrategyIsAClearError) {
 TEST(Parallel, PowerSgdStillLearnsTheTinyModel) {
   // Lossy by design: not equal to the exact run, but it must learn about as well.
   const std::string base = test::temp_dir("par_powersgd");
-  const int64_t steps = 20;
+  const int64_t steps = 12;
   train_ranks(2, [&](int) { return tiny(base + "/exact", "full", "ddp", 2, steps); });
   train_ranks(2, [&](int) {
     TrainConfig c = tiny(base + "/psgd", "full", "ddp", 2, steps);

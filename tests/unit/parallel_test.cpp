@@ -257,7 +257,7 @@ TEST(Parallel, DataParallelCheckpointResumesOnOneRank) {
   }
 }
 
-TEST(Parallel, ShardedCheckpointWithAnotherMethodIsAClearError) {
+TEST(Parallel, IncompatibleResumesAreClearErrors) {
   const std::string run = test::temp_dir("par_badresume");
   train_ranks(
       2, [&](int) { return tiny(run, "full", "sharded", 2, 3); },
@@ -275,6 +275,17 @@ TEST(Parallel, ShardedCheckpointWithAnotherMethodIsAClearError) {
     FAIL() << "resumed a checkpoint of another method";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("differs"), std::string::npos) << e.what();
+  }
+  // Two ranks resuming the 2-rank run with half the global batch.
+  TrainConfig half = tiny(run, "full", "sharded", 2, 3);
+  half.micro_batch_size = 1;
+  try {
+    train_one(half);
+    FAIL() << "resumed with another global batch";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("global batch of 8 rows on 2 rank(s), but here it is 2"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -334,9 +334,19 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
               cfg.source, run);
   }
   if (ckpt && ckpt->state.value("config_hash", "") != resume_hash(cfg) &&
-      ckpt->state.value("batch_hash", "") != global_batch_hash(cfg, world))
+      ckpt->state.value("batch_hash", "") != global_batch_hash(cfg, world)) {
+    // Resuming on another number of ranks without adapting the batch is the likely mistake.
+    const int64_t here = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world;
+    const int64_t there = ckpt->state.value("global_batch", int64_t(0));
+    if (there > 0 && there != here)
+      bad_input("{}: {} was written with a global batch of {} rows on {} rank(s), but here it is {} "
+                "(micro_batch_size {} x gradient_accumulation_steps {} x {} rank(s)); change "
+                "micro_batch_size or gradient_accumulation_steps so they match",
+                cfg.source, ckpt->dir, there, ckpt->state.value("world", 1), here, cfg.micro_batch_size,
+                cfg.gradient_accumulation_steps, world);
     bad_input("{}: the configuration differs from the one that wrote {}; resume with the run's own "
               "config.yaml or start a new output_dir", cfg.source, ckpt->dir);
+  }
   if (lead) save_run_config(cfg, run);
 
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
@@ -454,6 +464,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     for (const auto& ls : gather_loader_states(comm, loader.state())) ranks.push_back(ls.to_json());
     st["loader_ranks"] = ranks;
     st["world"] = world;
+    st["global_batch"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world;
     st["strategy"] = strategy_name;
     std::string dir;
     if (shard) {

@@ -1,9 +1,12 @@
 // rig train CONFIG.yaml [--set key=value ...] [--output DIR] | rig train --resume RUN_DIR
+// [--nproc-per-node N ...]: the command relaunches itself as N workers, one rank each.
 #include <csignal>
 #include <filesystem>
 #include <unistd.h>
 
 #include "command.h"
+#include "launch_flags.h"
+#include "rig/dist/env.h"
 #include "rig/train/trainer.h"
 
 namespace {
@@ -20,6 +23,7 @@ struct Opts {
   std::string config, output, resume;
   std::vector<std::string> set;
   bool quiet = false;
+  rig::cli::LaunchFlags launch;
 };
 
 int run(const Opts& o) {
@@ -37,12 +41,15 @@ int run(const Opts& o) {
   }
   if (!o.output.empty()) overrides.push_back("output_dir=" + o.output);
   rig::TrainConfig cfg = rig::load_train_config(config, overrides);
+  // The config is checked once here, before any worker starts.
+  if (o.launch.wants_launch()) return o.launch.relaunch();
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   rig::TrainHooks hooks;
   hooks.should_stop = [] { return g_signals.load() > 0; };
   hooks.quiet = o.quiet;
   rig::TrainResult r = rig::train(cfg, hooks);
+  if (rig::dist::env_from_process().rank != 0) return r.interrupted ? 130 : 0;  // rank 0 reports
   if (r.interrupted) {
     fmt::print(stderr, "stopped at step {}; continue with: rig train --resume {}\n", r.steps, cfg.output_dir);
     return 130;
@@ -65,6 +72,7 @@ rig::cli::Registrar reg("train", "Train a model (full or LoRA) from a YAML confi
   app.add_option("--output", o->output, "run folder (overrides output_dir)");
   app.add_option("--resume", o->resume, "continue the run in this folder from its last checkpoint");
   app.add_flag("--quiet", o->quiet, "no progress display");
+  o->launch.add(app);
   return [o] { return run(*o); };
 });
 

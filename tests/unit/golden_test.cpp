@@ -138,7 +138,7 @@ TEST_P(Golden, AdamWFiveStepsMatchTorch) {
   AdamW opt(oc);
   for (int s = 0; s < 5; ++s) {
     m->zero_grad();
-    auto r = m->step(batch_from(ref, "." + std::to_string(s)), StepOptions{});
+    auto r = m->step(batch_from(ref, std::string(".") + std::to_string(s)), StepOptions{});
     EXPECT_NEAR(r.loss(), cfg["losses"][s].get<double>(), 1e-4) << "step " << s;
     double norm = opt.clip_and_step(m->params(), oc.lr);
     EXPECT_NEAR(norm, cfg["grad_norms_before_clip"][s].get<double>(), 1e-4 * norm) << "step " << s;
@@ -158,7 +158,7 @@ TEST_P(Golden, LoraAdamWFiveStepsMatchPeft) {
   AdamW opt(oc);
   for (int s = 0; s < cfg["steps"].get<int>(); ++s) {
     m->zero_grad();
-    auto r = m->step(batch_from(batches, "." + std::to_string(s)), StepOptions{});
+    auto r = m->step(batch_from(batches, std::string(".") + std::to_string(s)), StepOptions{});
     EXPECT_NEAR(r.loss(), cfg["losses"][s].get<double>(), 1e-4) << "step " << s;
     opt.clip_and_step(m->params(), oc.lr);
   }

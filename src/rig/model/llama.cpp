@@ -551,11 +551,19 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
   const bool ckpt = opt.checkpointing == Checkpointing::Full;
 
+  StepHooks* hk = opt.hooks;
+  const auto phase = opt.backward ? StepHooks::Backward : StepHooks::Forward;
+  if (hk) {
+    hk->before(-1, phase);
+    bind_outer();
+  }
   Tensor h = fresh_on(dev_, {N, H}, "embeddings");
   ops::embedding_forward(dbatch.input_ids.reshape({N}), embed_, h);
   std::vector<Acts> acts(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
+    if (hk) hk->before(int(l), StepHooks::Forward);
     layer_forward(int(l), h, acts[l], dbatch, seed);
+    if (hk) hk->after(int(l), StepHooks::Forward);
     h = acts[l].h_out;
     if (ckpt || !opt.backward) acts[l].drop_all_but_input();
     if (!opt.backward) acts[l] = Acts{};
@@ -594,7 +602,13 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
     if (head->grad.defined()) ops::gemm(dl, true, x, false, head->grad, 1.0f, 1.0f);
   }
-  if (!opt.backward) return res;
+  if (!opt.backward) {
+    if (hk) {
+      hk->after(-1, phase);
+      bind_outer();
+    }
+    return res;
+  }
 
   Tensor dh = fresh_on(dev_, {N, H}, "d hidden");
   Param* fn = find_param("model.norm.weight");
@@ -602,12 +616,18 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
   dhn = hn = Tensor();
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+    if (hk) hk->before(l, StepHooks::Backward);
     if (ckpt) layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
     layer_backward(l, acts[size_t(l)], dh, dbatch, seed);
     acts[size_t(l)] = Acts{};
+    if (hk) hk->after(l, StepHooks::Backward);
   }
   if (params_.front().grad.defined())
     ops::embedding_backward(dbatch.input_ids.reshape({N}), dh, params_.front().grad);
+  if (hk) {
+    hk->after(-1, phase);
+    bind_outer();
+  }
   return res;
 }
 
@@ -626,6 +646,7 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
   const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads, group = Hq / Hk;
   const float eps = float(cfg_.rms_norm_eps);
   std::vector<float> logits(size_t(cfg_.vocab_size));
+  bind_outer();
   for (int64_t tok : tokens) {
     const int64_t pos = cache.len;
     RIG_CHECK(pos < cache.k[0].dim(0), "KV cache full at {} tokens", pos);
@@ -734,6 +755,18 @@ void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max
     write_file_atomic((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
   }
   write_file_atomic((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
+}
+
+std::vector<int> LlamaModel::param_groups() const {
+  std::vector<int> g(params_.size(), -1);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = *layers_[l];
+    for (int i : {L.in_norm, L.post_norm}) g[size_t(i)] = int(l);
+    for (const Linear& lin : L.proj)
+      for (int i : {lin.w, lin.b, lin.lora_a, lin.lora_b})
+        if (i >= 0) g[size_t(i)] = int(l);
+  }
+  return g;
 }
 
 }  // namespace rig

@@ -41,6 +41,19 @@ struct TokenBatch {
 
 enum class Checkpointing { None, Full };
 
+// Called by step() around each group of parameters so a distributed strategy can gather sharded
+// weights just before use and reduce gradients as soon as they are final. Group l >= 0 is layer
+// l; group -1 the outer parameters (embedding, final norm, lm_head), in use for the whole step.
+// See LlamaModel::param_groups().
+struct StepHooks {
+  enum Phase { Forward, Backward };
+  virtual ~StepHooks() = default;
+  // Before the group's weights are read; Backward: also before its gradients are written.
+  virtual void before(int group, Phase phase) = 0;
+  // After their last use; Backward: the group's gradients are final for this micro-batch.
+  virtual void after(int group, Phase phase) = 0;
+};
+
 struct StepOptions {
   bool backward = true;
   Tensor* logits = nullptr;  // when set, receives the [B, T, V] logits (float32, CPU)
@@ -50,6 +63,7 @@ struct StepOptions {
   Checkpointing checkpointing = Checkpointing::None;
   uint64_t dropout_seed = 0;
   int64_t loss_chunk_rows = 1024;  // rows of logits materialised at once
+  StepHooks* hooks = nullptr;
 };
 
 struct StepResult {
@@ -91,6 +105,11 @@ class LlamaModel {
   const std::vector<Param>& params() const { return params_; }
   Param* find_param(const std::string& name);
   int64_t num_parameters(bool trainable_only) const;
+  // The StepHooks group of every parameter (index into params()): its layer, or -1.
+  std::vector<int> param_groups() const;
+  // Re-resolves the embedding, final norm and lm_head from params() after Param::value/compute
+  // were replaced outside a step (so the old tensors are not kept alive).
+  void bind_outer();
   void zero_grad();  // allocates gradients for trainable parameters on first use
 
   StepResult step(const TokenBatch& batch, const StepOptions& opt);
@@ -121,7 +140,6 @@ class LlamaModel {
   LlamaModel();
   void build(const ModelConfig& cfg);
   void register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand);
-  void bind_outer();  // re-resolves embed_, final_norm_ and lm_head_ from params_
   Tensor act(const Shape& s, const char* what) const;  // an activation in the compute dtype
   Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);

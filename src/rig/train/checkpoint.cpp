@@ -154,7 +154,8 @@ ValueStats value_stats(const Tensor& t) {
 
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
-                            const json& state, int64_t keep_last) {
+                            const json& state, int64_t keep_last,
+                            const std::vector<std::string>& extra_files) {
   if (step < 0) bad_input("save_checkpoint: step {} is negative", step);
   if (!state.is_object()) bad_input("save_checkpoint: the trainer state must be a JSON object");
   fs::path root = fs::path(run_dir) / "checkpoints";
@@ -197,7 +198,14 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
   }
   m["tensors"] = tl;
   m["files"] = json::object();
-  for (const char* name : {kTensorsFile, kStateFile}) {
+  std::vector<std::string> files = {kTensorsFile, kStateFile};
+  for (const auto& f : extra_files) {
+    std::string name = fs::path(f).filename().string();
+    fs::rename(f, tmp / name, ec);
+    if (ec) fail("{}: cannot move into {}: {}", f, tmp.string(), ec.message());
+    files.push_back(name);
+  }
+  for (const auto& name : files) {
     std::string p = (tmp / name).string();
     m["files"][name] = {{"bytes", fs::file_size(p)}, {"xxh3", xxh3_file_hex(p)}};
   }
@@ -399,12 +407,45 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opt)
     problem(kTensorsFile, e.what());
     return r;
   }
+  // NaN/Inf and implausible magnitudes in one float tensor.
+  auto scan = [&](const std::string& where, const std::string& name, const Tensor& t) {
+    ++r.tensors_scanned;
+    ValueStats s = value_stats(t);
+    if (!s.finite())
+      problem(where, fmt::format("{} NaN and {} Inf of {} values (first at flat index {})", s.nan,
+                                 s.inf, t.numel(), s.first_bad_at));
+    double limit = opt.max_abs;
+    for (const auto& [pat, lim] : opt.max_abs_for)
+      if (name.find(pat) != std::string::npos) {
+        limit = lim;
+        break;
+      }
+    if (limit > 0 && s.max_abs > limit)
+      problem(where, fmt::format("|x| = {:.4g} at flat index {} is above the plausible limit {:g}",
+                                 s.max_abs, s.max_abs_at, limit));
+  };
+  // Other ranks' files (sharded checkpoints): their checksums are the manifest's file entries
+  // above; their values are scanned here.
+  if (r.manifest_ok && opt.scan_values)
+    for (auto& [name, fe] : m["files"].items()) {
+      if (name == kTensorsFile || !name.ends_with(".safetensors") || !fs::exists(d / name)) continue;
+      try {
+        SafeTensorsFile sf = SafeTensorsFile::open((d / name).string());
+        for (const auto& info : sf.tensors()) {
+          ++r.tensors;
+          if (is_float_dtype(info.dtype))
+            scan(fmt::format("tensor '{}' in {}", info.name, name), info.name, sf.get(info.name));
+        }
+      } catch (const std::exception& e) {
+        problem(name, e.what());
+      }
+    }
   std::map<std::string, json> listed;
   if (r.manifest_ok)
     for (const auto& e : m["tensors"]) listed[e.value("name", "")] = e;
   for (const auto& [name, e] : listed)
     if (!f->has(name)) problem(fmt::format("tensor '{}'", name), "in the manifest but not in the file");
-  r.tensors = f->tensors().size();
+  r.tensors += f->tensors().size();
   for (const auto& info : f->tensors()) {
     std::string where = fmt::format("tensor '{}'", info.name);
     Tensor t = f->get(info.name);
@@ -427,20 +468,7 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opt)
       }
     }
     if (!opt.scan_values || !is_float_dtype(info.dtype)) continue;
-    ++r.tensors_scanned;
-    ValueStats s = value_stats(t);
-    if (!s.finite())
-      problem(where, fmt::format("{} NaN and {} Inf of {} values (first at flat index {})", s.nan,
-                                 s.inf, t.numel(), s.first_bad_at));
-    double limit = opt.max_abs;
-    for (const auto& [pat, lim] : opt.max_abs_for)
-      if (info.name.find(pat) != std::string::npos) {
-        limit = lim;
-        break;
-      }
-    if (limit > 0 && s.max_abs > limit)
-      problem(where, fmt::format("|x| = {:.4g} at flat index {} is above the plausible limit {:g}",
-                                 s.max_abs, s.max_abs_at, limit));
+    scan(where, info.name, t);
   }
   return r;
 }

@@ -24,9 +24,12 @@ inline constexpr const char* kCheckpointFormat = "rig-checkpoint/1";
 // device. `state` must be a JSON object; "step" is added. keep_last > 0 then deletes the oldest
 // complete checkpoints beyond that count (0 keeps all). Leftover .step-*.tmp folders of killed
 // writers are removed. Only one process (rank 0) may save into a run folder at a time.
+// `extra_files` (written already, e.g. by every rank of a sharded run, under a .step-N.* folder)
+// are moved into the checkpoint and covered by the manifest.
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
-                            const nlohmann::json& state, int64_t keep_last = 0);
+                            const nlohmann::json& state, int64_t keep_last = 0,
+                            const std::vector<std::string>& extra_files = {});
 
 struct CheckpointRef {
   int64_t step = 0;

@@ -559,7 +559,15 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
     if (auto v = r.take(k))
       assign(ctx, "activation_checkpointing", *v,
              [&] { c.activation_checkpointing = as_bool(ctx, *v) ? "full" : "none"; });
-  if (auto v = r.take("strategy")) c.strategy = as_enum(ctx, *v, {"auto", "ddp", "fsdp"});
+  if (auto v = r.take("strategy"))
+    c.strategy = as_enum(ctx, *v, {"auto", "ddp", "sharded"}, {{"fsdp", "sharded"}, {"zero3", "sharded"}});
+  if (auto v = r.take("dist")) {
+    MapReader d(ctx, need_map(ctx, *v), "dist");
+    if (auto x = d.take("timeout_s")) c.dist.timeout_s = as_double(ctx, *x);
+    if (auto x = d.take("bucket_mb")) c.dist.bucket_mb = as_double(ctx, *x);
+    if (auto x = d.take("powersgd_rank")) c.dist.powersgd_rank = as_int(ctx, *x);
+    d.finish();
+  }
   if (auto v = r.take("device")) {
     c.device = as_string(ctx, *v);
     if (c.device != "auto") try {
@@ -744,6 +752,12 @@ void TrainConfig::validate() const {
   if (eval.every > 0 && eval.split == 0)
     bad_input("{}: 'eval.every' is {} but nothing is held out: set 'eval.split' (e.g. 0.05)", s,
               eval.every);
+  need(dist.timeout_s > 0, "dist.timeout_s", "must be more than 0 seconds", fmt::format("{}", dist.timeout_s));
+  need(dist.bucket_mb > 0, "dist.bucket_mb", "must be more than 0", fmt::format("{}", dist.bucket_mb));
+  need(dist.powersgd_rank >= 0 && dist.powersgd_rank <= 64, "dist.powersgd_rank", "must be 0 (off) to 64",
+       std::to_string(dist.powersgd_rank));
+  if (dist.powersgd_rank > 0 && strategy == "sharded")
+    bad_input("{}: 'dist.powersgd_rank' compresses data-parallel gradients; it does not apply to strategy: sharded", s);
   need(save.every >= 0, "save.every", "must be 0 or more", std::to_string(save.every));
   need(save.keep_last >= 0, "save.keep_last", "must be 0 (keep all) or more",
        std::to_string(save.keep_last));
@@ -820,6 +834,7 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
   j["precision"] = precision;
   j["activation_checkpointing"] = activation_checkpointing;
   j["strategy"] = strategy;
+  j["dist"] = {{"timeout_s", dist.timeout_s}, {"bucket_mb", dist.bucket_mb}, {"powersgd_rank", dist.powersgd_rank}};
   j["eval"] = {{"every", eval.every}, {"split", eval.split}, {"batches", eval.batches}, {"generate", eval.generate}};
   j["save"] = {{"every", save.every}, {"keep_last", save.keep_last}};
   j["thermal"] = {{"pause_above_c", thermal.pause_above_c}, {"resume_below_c", thermal.resume_below_c}};
@@ -897,6 +912,11 @@ std::string TrainConfig::config_hash() const {
   j.erase("output_dir");
   j.erase("resume");
   j.erase("save");
+  // How ranks talk, not what they compute; compression does change it (and stays out when off,
+  // so configs without it keep their hash).
+  const int64_t psgd = j["dist"]["powersgd_rank"];
+  j.erase("dist");
+  if (psgd > 0) j["powersgd_rank"] = psgd;
   std::string s = j.dump();
   return fmt::format("{:016x}", XXH3_64bits(s.data(), s.size()));
 }

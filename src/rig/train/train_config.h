@@ -61,6 +61,14 @@ struct SaveSettings {
   int64_t keep_last = 3;  // complete checkpoints kept; 0: keep all
 };
 
+struct DistSettings {
+  // How long a rank waits for the others in one collective (and at rendezvous) before it fails
+  // naming the rank that is missing.
+  double timeout_s = 600;
+  double bucket_mb = 25;  // data-parallel gradient buckets
+  int64_t powersgd_rank = 0;  // data-parallel gradient compression; 0: off
+};
+
 struct TrainConfig {
   // Where the weights come from: a pretrained model folder, or random init of an architecture.
   std::string model;               // HF model folder (config.json + safetensors)
@@ -89,7 +97,8 @@ struct TrainConfig {
 
   std::string precision = "auto";                 // auto | fp32 | bf16 (auto: bf16 on CUDA)
   std::string activation_checkpointing = "none";  // none | full | selective
-  std::string strategy = "auto";                  // auto | ddp | fsdp (auto: ddp)
+  std::string strategy = "auto";                  // auto | ddp | sharded (fsdp) (auto: ddp)
+  DistSettings dist;
   EvalSettings eval;
   SaveSettings save;
   ThermalSettings thermal;

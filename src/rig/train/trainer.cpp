@@ -11,11 +11,14 @@
 #include "rig/core/allocator.h"
 #include "rig/data/loader.h"
 #include "rig/data/records.h"
+#include "rig/dist/communicator.h"
 #include "rig/hw/telemetry.h"
 #include "rig/io/atomic_file.h"
+#include "rig/io/safetensors.h"
 #include "rig/optim/adamw.h"
 #include "rig/train/checkpoint.h"
 #include "rig/train/metrics.h"
+#include "rig/train/parallel.h"
 #include "rig/train/progress.h"
 
 namespace rig {
@@ -86,11 +89,11 @@ Data load_data(const TrainConfig& cfg, const Tokenizer& tok) {
   return d;
 }
 
-int64_t planned_steps(const TrainConfig& cfg, const TokenDataset& data) {
+int64_t planned_steps(const TrainConfig& cfg, const TokenDataset& data, int world) {
   if (cfg.max_steps > 0) return cfg.max_steps;
   double rows = cfg.packing ? std::ceil(double(data.num_tokens()) / double(cfg.sequence_len))
                             : double(data.size());
-  double per_step = double(cfg.micro_batch_size * cfg.gradient_accumulation_steps);
+  double per_step = double(cfg.micro_batch_size * cfg.gradient_accumulation_steps * world);
   return std::max<int64_t>(1, int64_t(std::ceil(cfg.num_epochs * rows / per_step)));
 }
 
@@ -112,6 +115,17 @@ std::string resume_hash(TrainConfig c) {
   return c.config_hash();
 }
 
+// The same identity at any world size and split of the batch: a step trains on the global
+// batch (micro batch x accumulation x ranks) whatever the strategy, so a run may resume on other
+// ranks with the micro batch or accumulation changed to keep it.
+std::string global_batch_hash(TrainConfig c, int world) {
+  c.resume = "auto";
+  c.micro_batch_size *= c.gradient_accumulation_steps * world;
+  c.gradient_accumulation_steps = 1;
+  c.strategy = "auto";
+  return c.config_hash();
+}
+
 std::string describe(const Tokenizer& tok, const std::vector<int32_t>& ids) {
   std::string s = tok.decode(ids, DecodeOptions{true});
   std::string out;
@@ -124,6 +138,19 @@ std::string describe(const Tokenizer& tok, const std::vector<int32_t>& ids) {
   }
   while (!out.empty() && out.back() == ' ') out.pop_back();
   return out;
+}
+
+// Sums a few floats over the ranks (on the communicator's device).
+void sum_over_ranks(dist::Communicator& comm, std::vector<float>& v) {
+  Tensor t = Tensor::from_f32(v, {int64_t(v.size())});
+  if (comm.device().is_cpu()) {
+    comm.all_reduce(t, dist::ReduceOp::Sum);
+  } else {
+    Tensor d = t.to(comm.device(), "counts");
+    comm.all_reduce(d, dist::ReduceOp::Sum);
+    t = d.to(Device::cpu(), "counts");
+  }
+  std::copy(t.f32(), t.f32() + v.size(), v.begin());
 }
 
 }  // namespace
@@ -254,8 +281,8 @@ EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokeni
 TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   TrainConfig cfg = cfg_in;
   cfg.validate();
-  const Device dev = cfg.device == "auto" ? (cuda_available() ? Device::cuda(0) : Device::cpu())
-                                          : Device::parse(cfg.device);
+  Device dev = cfg.device == "auto" ? (cuda_available() ? Device::cuda(0) : Device::cpu())
+                                    : Device::parse(cfg.device);
   if (dev.is_cuda() && !cuda_available())
     bad_input("{}: device '{}' requested, but {}", cfg.source, cfg.device,
 #ifdef RIG_WITH_CUDA
@@ -266,6 +293,29 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   const std::string precision = cfg.resolved_precision(dev.is_cuda());
   if (precision == "bf16" && !dev.is_cuda())
     bad_input("{}: 'precision: bf16' needs a CUDA device; the CPU backend computes in fp32", cfg.source);
+
+  // The ranks: handed in (tests), or this process is one worker of a launched run.
+  std::unique_ptr<dist::Group> group;
+  dist::Communicator* comm = hooks.comm;
+  if (!comm) {
+    const dist::DistEnv env = dist::env_from_process();
+    if (env.world > 1) {
+      if (dev.is_cuda() && (cfg.device == "auto" || cfg.device == "cuda")) dev = Device::cuda(env.local_rank);
+      dist::CommOptions co;
+      co.timeout = dist::Millis(int64_t(cfg.dist.timeout_s * 1000));
+      group = dist::init_group(env, dev.is_cuda() ? dist::Backend::Nccl : dist::Backend::Gloo, co);
+      comm = group->comm.get();
+    }
+  }
+  const int rank = comm ? comm->rank() : 0, world = comm ? comm->world() : 1;
+  const bool lead = rank == 0;
+  const bool sharding = comm && cfg.strategy == "sharded";
+  const std::string strategy_name = !comm ? "single" : sharding ? "sharded" : "ddp";
+  // Shards are float32 flat buffers; bf16 compute copies of gathered layers are not made yet.
+  if (sharding && precision == "bf16")
+    bad_input("{}: strategy: sharded trains in float32 for now; set precision: fp32 (or use strategy: ddp)",
+              cfg.source);
+
   Allocator& alloc = allocator_for(dev);
   if (cfg.max_memory) alloc.set_budget(alloc.in_use() + cfg.max_memory);
   const std::string run = cfg.output_dir;
@@ -283,10 +333,21 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     bad_input("{}: {} already holds checkpoints; use resume: auto to continue it or another output_dir",
               cfg.source, run);
   }
-  if (ckpt && ckpt->state.value("config_hash", "") != resume_hash(cfg))
+  if (ckpt && ckpt->state.value("config_hash", "") != resume_hash(cfg) &&
+      ckpt->state.value("batch_hash", "") != global_batch_hash(cfg, world)) {
+    // Resuming on another number of ranks without adapting the batch is the likely mistake.
+    const int64_t here = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world;
+    const int64_t there = ckpt->state.value("global_batch", int64_t(0));
+    if (there > 0 && there != here)
+      bad_input("{}: {} was written with a global batch of {} rows on {} rank(s), but here it is {} "
+                "(micro_batch_size {} x gradient_accumulation_steps {} x {} rank(s)); change "
+                "micro_batch_size or gradient_accumulation_steps so they match",
+                cfg.source, ckpt->dir, there, ckpt->state.value("world", 1), here, cfg.micro_batch_size,
+                cfg.gradient_accumulation_steps, world);
     bad_input("{}: the configuration differs from the one that wrote {}; resume with the run's own "
               "config.yaml or start a new output_dir", cfg.source, ckpt->dir);
-  save_run_config(cfg, run);
+  }
+  if (lead) save_run_config(cfg, run);
 
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
   Data data = load_data(cfg, tok);
@@ -297,6 +358,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   if (tok.vocab_size() > model->config().vocab_size)
     bad_input("{}: the tokenizer has {} tokens but the model's vocabulary is {}", cfg.source,
               tok.vocab_size(), model->config().vocab_size);
+  const int64_t n_params = model->num_parameters(false), n_trainable = model->num_parameters(true);
 
   OptimizerConfig oc;
   oc.lr = float(cfg.optimizer.lr);
@@ -304,7 +366,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   oc.beta2 = float(cfg.optimizer.beta2);
   oc.eps = float(cfg.optimizer.eps);
   oc.weight_decay = float(cfg.optimizer.weight_decay);
-  oc.max_grad_norm = float(cfg.max_grad_norm);
+  // Sharded: the norm spans every rank's shards, so the strategy clips.
+  oc.max_grad_norm = sharding ? 0.0f : float(cfg.max_grad_norm);
   oc.no_decay_on_norms_and_biases = cfg.optimizer.no_decay_on_norms_and_biases;
   if (cfg.optimizer.name != "adamw")
     bad_input("{}: optimizer '{}' is not implemented yet (use adamw)", cfg.source, cfg.optimizer.name);
@@ -315,59 +378,129 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   lo.micro_batch = cfg.micro_batch_size;
   lo.pack = cfg.packing;
   lo.seed = cfg.seed;
+  lo.rank = rank;
+  lo.world = world;
   DataLoader loader(data.train, lo);
-  const int64_t total = planned_steps(cfg, *data.train);
+  const int64_t total = planned_steps(cfg, *data.train, world);
   int64_t step = 0;
+  std::unique_ptr<Sharded> shard;
+  std::unique_ptr<DataParallel> ddp;
   if (ckpt) {
+    const json* layout = ckpt->state.contains("sharded") ? &ckpt->state["sharded"] : nullptr;
+    if (layout) check_layout(*layout, flat_units(*model), ckpt->dir);
+    const int64_t opt_step = ckpt->state.at("optimizer_step").get<int64_t>();
     std::map<std::string, Tensor> state;
-    for (auto& [name, t] : ckpt->tensors) state[name] = t;
-    for (auto& p : model->params()) {
-      if (!p.trainable) continue;
-      auto it = state.find("param." + p.name);
-      if (it == state.end()) bad_input("{}: checkpoint has no tensor 'param.{}'", ckpt->dir, p.name);
-      p.value.copy_from(it->second);
+    if (layout && !sharding) {
+      // A sharded checkpoint resumed whole: the flat shards back into named tensors.
+      state = read_sharded_as_named(ckpt->dir, *layout);
+    } else {
+      for (auto& [name, t] : ckpt->tensors) state[name] = t;
     }
-    model->refresh_compute_weights();
-    opt.load_state(state, ckpt->state.at("optimizer_step").get<int64_t>(), dev);
-    loader.restore(LoaderState::from_json(ckpt->state.at("loader")));
+    if (sharding) {
+      shard = std::make_unique<Sharded>(*comm, *model);
+      shard->load(layout ? sharded_checkpoint_reader(ckpt->dir, *layout) : named_tensor_reader(state), opt,
+                  opt_step, dev);
+    } else {
+      std::map<std::string, Tensor> opt_state;
+      for (auto& p : model->params()) {
+        if (!p.trainable) continue;
+        auto it = state.find("param." + p.name);
+        if (it == state.end()) bad_input("{}: checkpoint has no tensor 'param.{}'", ckpt->dir, p.name);
+        p.value.copy_from(it->second.reshape(p.value.shape()));
+        for (const char* k : {"adamw.m.", "adamw.v."})
+          if (auto m = state.find(k + p.name); m != state.end()) opt_state[m->first] = m->second.reshape(p.value.shape());
+      }
+      model->refresh_compute_weights();
+      opt.load_state(opt_state, opt_step, dev);
+    }
+    std::vector<LoaderState> saved;
+    if (ckpt->state.contains("loader_ranks"))
+      for (const auto& j : ckpt->state["loader_ranks"]) saved.push_back(LoaderState::from_json(j));
+    else
+      saved.push_back(LoaderState::from_json(ckpt->state.at("loader")));
+    loader.restore(resplit_loader_state(saved, rank, world, ckpt->dir));
     step = ckpt->state.at("step").get<int64_t>();
   }
+  if (sharding && !shard) shard = std::make_unique<Sharded>(*comm, *model);
+  if (comm && !sharding)
+    ddp = std::make_unique<DataParallel>(*comm, *model, size_t(cfg.dist.bucket_mb * (1 << 20)),
+                                         int(cfg.dist.powersgd_rank), cfg.seed);
+  StepHooks* step_hooks = shard ? static_cast<StepHooks*>(shard.get()) : ddp.get();
+  std::vector<Param>& opt_params = shard ? shard->params() : model->params();
 
-  MetricsWriter metrics(run, ckpt ? step : -1);
-  metrics.note(fmt::format("device {}, {} compute", dev.str(), precision));
-  metrics.note(fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
-                           "({} tokens), {} held out",
-                           ckpt ? "resuming" : "starting", cfg.method, step, total,
-                           model->num_parameters(false), model->num_parameters(true),
-                           data.train->size(), data.train->num_tokens(),
-                           data.eval ? data.eval->size() : 0));
+  // Only rank 0 writes the run folder and shows progress.
+  std::unique_ptr<MetricsWriter> metrics;
+  if (lead) metrics = std::make_unique<MetricsWriter>(run, ckpt ? step : -1);
+  auto note = [&](const std::string& s) {
+    if (metrics) metrics->note(s);
+  };
+  note(fmt::format("device {}, {} compute", dev.str(), precision));
+  if (comm)
+    note(fmt::format("{} ranks, {}: global batch {} x {} x {} rows", world, strategy_name, cfg.micro_batch_size,
+                     cfg.gradient_accumulation_steps, world));
+  note(fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
+                   "({} tokens), {} held out",
+                   ckpt ? "resuming" : "starting", cfg.method, step, total, n_params, n_trainable,
+                   data.train->size(), data.train->num_tokens(), data.eval ? data.eval->size() : 0));
   std::unique_ptr<Progress> progress;
-  if (!hooks.quiet) progress = std::make_unique<Progress>(total, step);
+  if (!hooks.quiet && lead) progress = std::make_unique<Progress>(total, step);
   auto say = [&](const std::string& s) {
-    metrics.note(s);
+    note(s);
     if (progress) progress->message(s);
   };
   if (ckpt) say(fmt::format("resumed from {} at step {}", ckpt->dir, step));
 
   const Checkpointing ck = cfg.activation_checkpointing == "none" ? Checkpointing::None : Checkpointing::Full;
   auto save = [&](int64_t s) {
-    std::vector<std::pair<std::string, Tensor>> ts;
-    for (auto& p : model->params())
-      if (p.trainable) ts.emplace_back("param." + p.name, p.value.to(Device::cpu(), "checkpoint"));
-    for (auto& [name, t] : opt.state_tensors()) ts.emplace_back(name, t.to(Device::cpu(), "checkpoint"));
     json st = {{"step", s},
                {"optimizer_step", opt.steps()},
                {"loader", loader.state().to_json()},
                {"config_hash", resume_hash(cfg)},
+               {"batch_hash", global_batch_hash(cfg, world)},
                {"seed", cfg.seed},
                {"lr", cfg.schedule.lr_at(std::max<int64_t>(0, s - 1), total, cfg.optimizer.lr)}};
-    std::string dir = save_checkpoint(run, s, ts, st, cfg.save.keep_last);
-    say(fmt::format("saved checkpoint {}", dir));
+    // Every rank's data position (they differ with packing), so any world size can resume.
+    json ranks = json::array();
+    for (const auto& ls : gather_loader_states(comm, loader.state())) ranks.push_back(ls.to_json());
+    st["loader_ranks"] = ranks;
+    st["world"] = world;
+    st["global_batch"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world;
+    st["strategy"] = strategy_name;
+    std::string dir;
+    if (shard) {
+      // Every rank writes its own shards; rank 0 then moves them into the checkpoint atomically.
+      fs::path staging = fs::path(run) / "checkpoints" / fmt::format(".step-{}.shards", s);
+      if (lead) {
+        fs::remove_all(staging);
+        fs::create_directories(staging);
+      }
+      comm->barrier();
+      save_safetensors((staging / shard_file_name(rank, world)).string(), shard->shard_tensors(opt),
+                       {{"format", kCheckpointFormat}, {"step", std::to_string(s)}});
+      comm->barrier();
+      if (lead) {
+        std::vector<std::string> files;
+        for (int r = 0; r < world; ++r) files.push_back((staging / shard_file_name(r, world)).string());
+        st["sharded"] = shard->layout();
+        dir = save_checkpoint(run, s, {}, st, cfg.save.keep_last, files);
+      }
+      comm->barrier();  // nobody stages the next checkpoint while rank 0 tidies up
+    } else if (lead) {
+      std::vector<std::pair<std::string, Tensor>> ts;
+      for (auto& p : model->params())
+        if (p.trainable) ts.emplace_back("param." + p.name, p.value.to(Device::cpu(), "checkpoint"));
+      for (auto& [name, t] : opt.state_tensors()) ts.emplace_back(name, t.to(Device::cpu(), "checkpoint"));
+      dir = save_checkpoint(run, s, ts, st, cfg.save.keep_last);
+    }
+    if (lead) say(fmt::format("saved checkpoint {}", dir));
   };
   TrainResult result;
-  // Held-out loss, and when asked, exact match of greedily generated responses.
+  // Held-out loss, and when asked, exact match of greedily generated responses. Every rank
+  // evaluates (sharded: on the gathered model); rank 0 reports.
   auto run_eval = [&](int64_t s, bool final_eval) {
     if (!data.eval) return;
+    const bool gather = shard && !shard->gathered();
+    if (gather) shard->gather_all();
     auto e = evaluate(*model, *data.eval, cfg.sequence_len, cfg.micro_batch_size, cfg.eval.batches);
     json extra = {{"eval_perplexity", std::exp(e.loss)}};
     std::string line = fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s,
@@ -381,7 +514,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
         result.samples = em.samples;
       }
     }
-    metrics.log_eval(s, e.loss, extra);
+    if (gather) shard->release_all();
+    if (metrics) metrics->log_eval(s, e.loss, extra);
     say(line);
     result.eval_loss = e.loss;
   };
@@ -391,7 +525,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   try {
     telemetry.emplace(hw::Telemetry::open());
   } catch (const Error& e) {
-    metrics.note(fmt::format("no GPU telemetry: {}", e.what()));
+    note(fmt::format("no GPU telemetry: {}", e.what()));
   }
   std::optional<hw::ThermalPause> thermal;
   if (telemetry && cfg.thermal.pause_above_c > 0)
@@ -421,13 +555,15 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   alloc.reset_peak();
   if (!ckpt && cfg.eval.every > 0) run_eval(0, false);  // the starting point of the curve
   while (step < total) {
-    if (hooks.should_stop && hooks.should_stop()) {
+    bool stop = hooks.should_stop && hooks.should_stop();
+    if (stop && !comm) {
       save(step);
       result.interrupted = true;
       break;
     }
     const double t0 = now_s();
     const float lr = float(cfg.schedule.lr_at(step, total, cfg.optimizer.lr));
+    const LoaderState at = loader.state();
     std::vector<Batch> micro;
     int64_t trained = 0, tokens = 0;
     for (int64_t k = 0; k < cfg.gradient_accumulation_steps; ++k) {
@@ -435,21 +571,60 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       trained += micro.back().trained_tokens;
       tokens += real_tokens(micro.back());
     }
-    model->zero_grad();
+    if (comm) {
+      // The whole global batch's trained tokens scale every rank's gradients; a stop request on
+      // any rank stops all of them at the same step.
+      std::vector<float> v(7);
+      v[0] = stop ? 1.0f : 0.0f;
+      encode_count(trained, &v[1]);
+      encode_count(tokens, &v[4]);
+      sum_over_ranks(*comm, v);
+      trained = decode_count(&v[1]);
+      tokens = decode_count(&v[4]);
+      if (v[0] > 0) {
+        loader.restore(at);
+        save(step);
+        result.interrupted = true;
+        break;
+      }
+    }
+    if (shard)
+      shard->zero_grad();
+    else
+      model->zero_grad();
     double loss_sum = 0;
     int64_t loss_tokens = 0;
     for (size_t k = 0; k < micro.size(); ++k) {
       StepOptions so;
-      // The mean over every trained token of the accumulated batch, as one big batch would give.
+      // The mean over every trained token of the accumulated (global) batch, as one big batch
+      // would give.
       so.grad_scale = trained ? 1.0f / float(trained) : 0.0f;
       so.checkpointing = ck;
-      so.dropout_seed = step_seed(cfg.seed, step, int64_t(k));
+      so.dropout_seed = step_seed(cfg.seed, step, int64_t(rank) * cfg.gradient_accumulation_steps + int64_t(k));
+      so.hooks = step_hooks;
+      // Data-parallel: no communication until the last micro-step's backward.
+      if (ddp) ddp->set_sync(k + 1 == micro.size());
       auto r = model->step(to_token_batch(micro[k]), so);
       loss_sum += r.loss_sum;
       loss_tokens += r.tokens;
     }
-    const double norm = opt.clip_and_step(model->params(), lr);
-    model->refresh_compute_weights();
+    if (ddp) ddp->finish();
+    if (comm) {
+      std::vector<float> v(4);
+      v[0] = float(loss_sum);
+      encode_count(loss_tokens, &v[1]);
+      sum_over_ranks(*comm, v);
+      loss_sum = v[0];
+      loss_tokens = decode_count(&v[1]);
+    }
+    double norm = 0;
+    if (shard) {
+      norm = shard->clip_grad_norm(float(cfg.max_grad_norm));
+      opt.clip_and_step(opt_params, lr);
+    } else {
+      norm = opt.clip_and_step(opt_params, lr);
+      model->refresh_compute_weights();
+    }
     ++step;
     const double loss = loss_tokens ? loss_sum / double(loss_tokens) : 0;
     if (!std::isfinite(loss) || !std::isfinite(norm))
@@ -463,7 +638,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     m.peak_memory_bytes = alloc.peak();
     m.extra["trained_tokens"] = trained;
     watch_gpus(m);
-    metrics.log(m);
+    if (metrics) metrics->log(m);
     if (progress) progress->update(m);
     result.final_loss = loss;
     if (cfg.eval.every > 0 && step % cfg.eval.every == 0 && step < total) run_eval(step, false);
@@ -474,17 +649,21 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   if (result.interrupted) return result;
 
   save(step);
+  // Sharded: the whole model on every rank for the final evaluation and output.
+  if (shard) shard->gather_all();
   run_eval(step, true);
   // The result, in the formats other tools load.
   fs::path out = fs::path(run) / "final";
-  if (model->has_lora()) {
-    model->save_adapter(out.string());
-  } else {
-    model->save_pretrained(out.string());
-    fs::copy_file(tokenizer_path(cfg), out / "tokenizer.json", fs::copy_options::overwrite_existing);
+  if (lead) {
+    if (model->has_lora()) {
+      model->save_adapter(out.string());
+    } else {
+      model->save_pretrained(out.string());
+      fs::copy_file(tokenizer_path(cfg), out / "tokenizer.json", fs::copy_options::overwrite_existing);
+    }
+    say(fmt::format("wrote {} to {}", model->has_lora() ? "the LoRA adapter (PEFT format)" : "the model", out.string()));
   }
   result.output = out.string();
-  say(fmt::format("wrote {} to {}", model->has_lora() ? "the LoRA adapter (PEFT format)" : "the model", out.string()));
   return result;
 }
 

@@ -1,6 +1,7 @@
 // The training loop: a TrainConfig in, a run folder out (resolved config, metrics.jsonl, a human
-// log, checkpoints, the final adapter or model). One rank for now; data is already split by rank
-// through the DataLoader so data-parallel ranks slot in.
+// log, checkpoints, the final adapter or model). In a distributed run (rig's launcher, torchrun,
+// Slurm, or a communicator handed in) every rank calls train(): data-parallel or sharded by
+// `strategy`, rank 0 alone writes the run folder.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -25,9 +26,15 @@ struct TrainResult {
   std::vector<std::string> samples;  // a few "prompt -> generated (expected)" lines
 };
 
+namespace dist {
+class Communicator;
+}
+
 struct TrainHooks {
   std::function<bool()> should_stop;  // polled between steps (signals)
   bool quiet = false;                 // no progress output (tests)
+  // The ranks to train with (tests run ranks as threads); null: from the process environment.
+  dist::Communicator* comm = nullptr;
 };
 
 // Runs (or resumes, when run_dir holds a checkpoint and cfg.resume allows it) a training run.

@@ -1,0 +1,606 @@
+#include "rig/train/parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <optional>
+#include <random>
+
+#include "rig/io/atomic_file.h"
+#include "rig/io/safetensors.h"
+#include "rig/ops/ops.h"
+#include "rig/train/checkpoint.h"
+
+namespace rig {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---- data parallel --------------------------------------------------------------------------
+
+// One weight matrix's gradient under PowerSGD: the warm-started Q and the error feedback.
+struct DataParallel::Compressed {
+  Tensor grad, q, error;  // grad [n, m], q [m, r], error [n, m]
+};
+
+DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes,
+                           int powersgd_rank, uint64_t seed)
+    : comm_(comm), rank_(powersgd_rank) {
+  model.zero_grad();
+  const std::vector<int> groups = model.param_groups();
+  int layers = 0;
+  for (int g : groups) layers = std::max(layers, g + 1);
+  // Bucket order = the order gradients become final: last layer first, the outer ones last.
+  std::vector<int> order;
+  for (int l = layers - 1; l >= 0; --l) order.push_back(l);
+  order.push_back(-1);
+  std::vector<Tensor> tensors;
+  auto& ps = model.params();
+  std::mt19937_64 rng(seed ^ 0x9051ull);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int g : order)
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (groups[i] != g || !ps[i].trainable || !ps[i].grad.defined()) continue;
+      const Tensor& gr = ps[i].grad;
+      // Worth compressing: (n + m) r numbers instead of n m.
+      if (rank_ > 0 && gr.ndim() == 2 && (gr.dim(0) + gr.dim(1)) * rank_ < gr.dim(0) * gr.dim(1)) {
+        Compressed c;
+        c.grad = gr;
+        // The same start on every rank (same seed, same order).
+        Tensor q = Tensor::empty({gr.dim(1), rank_}, DType::F32, Device::cpu(), "powersgd q");
+        for (int64_t k = 0; k < q.numel(); ++k) q.f32()[k] = normal(rng);
+        c.q = q.to(gr.device(), "powersgd q");
+        c.error = Tensor::zeros(gr.shape(), DType::F32, gr.device(), "powersgd error");
+        compressed_.push_back(std::move(c));
+        continue;
+      }
+      of_group_[g].push_back(tensors.size());
+      tensors.push_back(gr);
+    }
+  if (!tensors.empty())
+    buckets_ = std::make_unique<dist::BucketedAllReduce>(comm, std::move(tensors), bucket_bytes,
+                                                         dist::ReduceOp::Sum);
+}
+
+DataParallel::~DataParallel() = default;
+
+void DataParallel::after(int group, Phase phase) {
+  if (!sync_ || phase != Backward || !buckets_) return;
+  auto it = of_group_.find(group);
+  if (it == of_group_.end()) return;
+  for (size_t i : it->second) buckets_->mark_ready(i);
+}
+
+void DataParallel::finish() {
+  if (buckets_) buckets_->finish();
+  if (!compressed_.empty()) powersgd();
+}
+
+namespace {
+
+// Gram-Schmidt on the columns of p [n, r] (on the host; r is small).
+void orthonormalize_columns(Tensor& p) {
+  Tensor h = p.device().is_cpu() ? p : p.to(Device::cpu(), "powersgd p");
+  const int64_t n = h.dim(0), r = h.dim(1);
+  float* x = h.f32();
+  for (int64_t j = 0; j < r; ++j) {
+    for (int64_t k = 0; k < j; ++k) {
+      double dot = 0;
+      for (int64_t i = 0; i < n; ++i) dot += double(x[i * r + j]) * x[i * r + k];
+      for (int64_t i = 0; i < n; ++i) x[i * r + j] -= float(dot) * x[i * r + k];
+    }
+    double norm = 0;
+    for (int64_t i = 0; i < n; ++i) norm += double(x[i * r + j]) * x[i * r + j];
+    const float inv = float(1.0 / (std::sqrt(norm) + 1e-8));
+    for (int64_t i = 0; i < n; ++i) x[i * r + j] *= inv;
+  }
+  if (!p.device().is_cpu()) p.copy_from(h);
+}
+
+}  // namespace
+
+// PowerSGD (one power iteration, warm-started): M = grad + error; P = sum over ranks of M Q;
+// orthonormalise P; Q = sum over ranks of M^T P; grad = P Q^T; error = M - P (M^T P)^T with this
+// rank's own M. Two all-reduces of (n + m) r numbers per matrix, batched over all matrices.
+void DataParallel::powersgd() {
+  int64_t np = 0, nq = 0;
+  for (auto& c : compressed_) {
+    np += c.grad.dim(0) * rank_;
+    nq += c.grad.dim(1) * rank_;
+  }
+  const Device dev = compressed_[0].grad.device();
+  Tensor pall = Tensor::empty({np}, DType::F32, dev, "powersgd p"),
+         qall = Tensor::empty({nq}, DType::F32, dev, "powersgd q");
+  std::vector<Tensor> ps, qs;
+  int64_t op = 0, oq = 0;
+  for (auto& c : compressed_) {
+    const int64_t n = c.grad.dim(0), m = c.grad.dim(1);
+    ops::add_(c.grad, c.error);  // M
+    Tensor p = pall.slice_rows(op, op + n * rank_).reshape({n, rank_});
+    ops::gemm(c.grad, false, c.q, false, p, 1.0f, 0.0f);
+    ps.push_back(p);
+    qs.push_back(qall.slice_rows(oq, oq + m * rank_).reshape({m, rank_}));
+    op += n * rank_;
+    oq += m * rank_;
+  }
+  comm_.all_reduce(pall, dist::ReduceOp::Sum);
+  for (size_t i = 0; i < compressed_.size(); ++i) {
+    Compressed& c = compressed_[i];
+    orthonormalize_columns(ps[i]);
+    ops::gemm(c.grad, true, ps[i], false, qs[i], 1.0f, 0.0f);  // this rank's Q
+    c.error.copy_from(c.grad);
+    ops::gemm(ps[i], false, qs[i], true, c.error, -1.0f, 1.0f);
+  }
+  comm_.all_reduce(qall, dist::ReduceOp::Sum);
+  for (size_t i = 0; i < compressed_.size(); ++i) {
+    Compressed& c = compressed_[i];
+    ops::gemm(ps[i], false, qs[i], true, c.grad, 1.0f, 0.0f);
+    c.q.copy_from(qs[i]);  // the warm start of the next step
+  }
+}
+
+// ---- sharded ----------------------------------------------------------------------------------
+
+int64_t FlatUnit::numel() const {
+  int64_t n = 0;
+  for (const auto& [name, k] : params) n += k;
+  return n;
+}
+
+namespace {
+
+std::vector<std::vector<size_t>> unit_members(const LlamaModel& model,
+                                              std::vector<FlatUnit>& units) {
+  const std::vector<int> groups = model.param_groups();
+  const auto& ps = model.params();
+  int layers = 0;
+  for (int g : groups) layers = std::max(layers, g + 1);
+  std::vector<std::vector<size_t>> members;
+  for (int g = -1; g < layers; ++g)
+    for (int kind = 0; kind < 3; ++kind) {  // decay, no_decay, frozen
+      FlatUnit u;
+      u.group = g;
+      u.trainable = kind < 2;
+      u.no_decay = kind == 1;
+      u.name =
+          (g < 0 ? std::string("outer") : fmt::format("layer.{}", g)) + (kind == 0   ? ".decay"
+                                                                         : kind == 1 ? ".no_decay"
+                                                                                     : ".frozen");
+      std::vector<size_t> m;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (groups[i] != g || ps[i].trainable != u.trainable) continue;
+        if (u.trainable && ps[i].no_decay != u.no_decay) continue;
+        m.push_back(i);
+        u.params.emplace_back(ps[i].name, ps[i].value.numel());
+      }
+      if (m.empty()) continue;
+      units.push_back(std::move(u));
+      members.push_back(std::move(m));
+    }
+  return members;
+}
+
+}  // namespace
+
+std::vector<FlatUnit> flat_units(const LlamaModel& model) {
+  std::vector<FlatUnit> units;
+  unit_members(model, units);
+  return units;
+}
+
+struct Sharded::Unit {
+  std::vector<size_t> members;  // model parameter indices
+  std::vector<Shape> shapes;
+  std::vector<int64_t> offsets;
+  dist::FlatShard fs;
+  Tensor shard;             // frozen units; trainable ones live in shard_params_
+  int param = -1;           // index into shard_params_
+  Tensor full, gfull;       // gathered weights and full gradients while in use
+  dist::WorkPtr gathering;  // a prefetch in flight into `full`
+};
+
+struct Sharded::PendingGrad {
+  dist::WorkPtr work;
+  Tensor part, gfull;
+  int param = -1;
+};
+
+Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), model_(model) {
+  RIG_CHECK(model.compute_dtype() == DType::F32, "sharded training needs float32 compute");
+  auto members = unit_members(model, units_);
+  auto& ps = model.params();
+  const Device dev = model.device();
+  const int r = comm.rank();
+  for (size_t k = 0; k < units_.size(); ++k) {
+    auto u = std::make_unique<Unit>();
+    u->members = members[k];
+    int64_t off = 0;
+    for (size_t i : u->members) {
+      u->shapes.push_back(ps[i].value.shape());
+      u->offsets.push_back(off);
+      off += ps[i].value.numel();
+    }
+    u->fs = dist::FlatShard::of(off, comm.world());
+    // This rank's slice of the flat vector (the full model is on every rank once, at start).
+    Tensor shard = Tensor::zeros({u->fs.shard}, DType::F32, dev, "parameter shard");
+    const int64_t b = u->fs.begin(r), e = b + u->fs.valid(r);
+    for (size_t j = 0; j < u->members.size(); ++j) {
+      const int64_t pb = u->offsets[j], pe = pb + ps[u->members[j]].value.numel();
+      const int64_t lo = std::max(b, pb), hi = std::min(e, pe);
+      if (lo >= hi) continue;
+      Tensor src = ps[u->members[j]].value.reshape({pe - pb}).slice_rows(lo - pb, hi - pb);
+      shard.slice_rows(lo - b, hi - b).copy_from(src);
+    }
+    if (units_[k].trainable) {
+      u->param = int(shard_params_.size());
+      Param sp;
+      sp.name = units_[k].name;
+      sp.value = shard;
+      sp.grad = Tensor::zeros({u->fs.shard}, DType::F32, dev, "gradient shard");
+      sp.no_decay = units_[k].no_decay;
+      shard_params_.push_back(std::move(sp));
+    } else {
+      u->shard = shard;
+    }
+    of_group_[units_[k].group].push_back(k);
+    state_.push_back(std::move(u));
+  }
+  for (auto& p : ps) {
+    p.value = p.compute = Tensor();
+    p.grad = Tensor();
+  }
+  model.bind_outer();  // drops the model's own references to the full tensors
+}
+
+Sharded::~Sharded() = default;
+
+void Sharded::zero_grad() {
+  finish();
+  for (auto& p : shard_params_) p.grad.zero_();
+}
+
+double Sharded::clip_grad_norm(float max_norm) {
+  finish();
+  double local = 0;
+  for (auto& p : shard_params_) local += ops::sum_squares(p.grad);
+  Tensor t = Tensor::from_f32({float(local)}, {1});
+  if (!comm_.device().is_cpu()) t = t.to(comm_.device(), "norm");
+  comm_.all_reduce(t, dist::ReduceOp::Sum);
+  const double norm = std::sqrt(double(t.to(Device::cpu(), "norm").f32()[0]));
+  if (max_norm > 0) {
+    // As torch.nn.utils.clip_grad_norm_.
+    float coef = float(max_norm / (float(norm) + 1e-6f));
+    if (coef < 1.0f)
+      for (auto& p : shard_params_) ops::scale_(p.grad, coef);
+  }
+  return norm;
+}
+
+void Sharded::gather(Unit& u) {
+  if (!u.full.defined()) {
+    const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
+    u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
+    u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
+  }
+  if (!u.gathering) return;
+  u.gathering->wait();
+  u.gathering.reset();
+  auto& ps = model_.params();
+  for (size_t j = 0; j < u.members.size(); ++j) {
+    const int64_t n = shape_numel(u.shapes[j]);
+    // Float32 compute (checked by the trainer): the products read the gathered values.
+    ps[u.members[j]].value = u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+  }
+}
+
+// Starts the all-gather of a group's weights so it overlaps the current layer's compute.
+void Sharded::prefetch(int group) {
+  auto it = of_group_.find(group);
+  if (it == of_group_.end()) return;
+  for (size_t k : it->second) {
+    Unit& u = *state_[k];
+    if (u.full.defined()) continue;
+    const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
+    u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
+    u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
+  }
+}
+
+void Sharded::release(Unit& u) {
+  if (u.gathering) {
+    u.gathering->wait();
+    u.gathering.reset();
+  }
+  for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
+  u.full = Tensor();
+}
+
+void Sharded::finish() {
+  for (auto& p : pending_) {
+    p.work->wait();
+    ops::add_(shard_params_[size_t(p.param)].grad, p.part);
+  }
+  pending_.clear();
+}
+
+void Sharded::before(int group, Phase phase) {
+  auto it = of_group_.find(group);
+  if (it == of_group_.end()) return;
+  auto& ps = model_.params();
+  for (size_t k : it->second) gather(*state_[k]);
+  // The next layer in this pass (forward: up, backward: down) while this one computes; the
+  // outer parameters are gathered at the start of the step, before layer 0.
+  if (!pinned_) prefetch(group < 0 ? 0 : phase == Forward ? group + 1 : group - 1);
+  for (size_t k : it->second) {
+    Unit& u = *state_[k];
+    if (phase == Backward && u.param >= 0) {
+      u.gfull = Tensor::zeros({u.fs.padded}, DType::F32, u.full.device(), "full gradients");
+      for (size_t j = 0; j < u.members.size(); ++j) {
+        const int64_t n = shape_numel(u.shapes[j]);
+        ps[u.members[j]].grad =
+            u.gfull.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+      }
+    }
+  }
+}
+
+void Sharded::after(int group, Phase phase) {
+  auto it = of_group_.find(group);
+  if (it == of_group_.end()) return;
+  auto& ps = model_.params();
+  // The previous layer's reduce-scatters have had this layer's backward to run.
+  if (phase == Backward) finish();
+  for (size_t k : it->second) {
+    Unit& u = *state_[k];
+    if (phase == Backward && u.gfull.defined()) {
+      // Summed over ranks into this rank's part, added to the shard gradient (which holds the
+      // earlier micro-steps') once it arrives.
+      PendingGrad p;
+      p.param = u.param;
+      p.gfull = u.gfull;
+      p.part = Tensor::empty({u.fs.shard}, DType::F32, u.gfull.device(), "gradient part");
+      p.work = dist::reduce_scatter_flat(comm_, u.fs, u.gfull, p.part, dist::ReduceOp::Sum);
+      pending_.push_back(std::move(p));
+      for (size_t i : u.members) ps[i].grad = Tensor();
+      u.gfull = Tensor();
+    }
+    if (!pinned_) release(u);
+  }
+}
+
+void Sharded::gather_all() {
+  finish();
+  for (auto& u : state_) gather(*u);
+  pinned_ = true;
+  model_.bind_outer();  // evaluation and generation run without hooks
+}
+
+void Sharded::release_all() {
+  pinned_ = false;
+  for (auto& u : state_) release(*u);
+  model_.bind_outer();
+}
+
+std::vector<std::pair<std::string, Tensor>> Sharded::shard_tensors(const AdamW& opt) const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& p : shard_params_)
+    out.emplace_back("param." + p.name, p.value.to(Device::cpu(), "checkpoint"));
+  for (auto& [name, t] : opt.state_tensors())
+    out.emplace_back(name, t.to(Device::cpu(), "checkpoint"));
+  return out;
+}
+
+json Sharded::layout() const {
+  json units = json::array();
+  for (const auto& u : units_) {
+    json ps = json::array();
+    for (const auto& [n, k] : u.params) ps.push_back({n, k});
+    units.push_back({{"name", u.name}, {"trainable", u.trainable}, {"params", ps}});
+  }
+  return {{"world", comm_.world()}, {"units", units}};
+}
+
+void Sharded::load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device dev) {
+  const int r = comm_.rank();
+  std::map<std::string, Tensor> opt_state;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    const FlatUnit& fu = units_[k];
+    if (!fu.trainable) continue;
+    Unit& u = *state_[k];
+    const int64_t b = u.fs.begin(r), n = u.fs.valid(r);
+    auto fill = [&](const std::string& prefix, Tensor& dst) {
+      Tensor host = Tensor::zeros({u.fs.shard}, DType::F32, Device::cpu(), "checkpoint shard");
+      if (n > 0 && !read(prefix, fu, b, b + n, host.f32())) return false;
+      dst.copy_from(host);
+      return true;
+    };
+    Param& sp = shard_params_[size_t(u.param)];
+    if (!fill("param.", sp.value)) bad_input("checkpoint has no parameters for '{}'", fu.name);
+    Tensor m = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw m"),
+           v = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw v");
+    if (fill("adamw.m.", m) && fill("adamw.v.", v)) {
+      opt_state["adamw.m." + fu.name] = m;
+      opt_state["adamw.v." + fu.name] = v;
+    }
+  }
+  opt.load_state(opt_state, opt_step, dev);
+}
+
+// ---- loader positions -------------------------------------------------------------------------
+
+void encode_count(int64_t v, float* out3) {
+  const uint64_t u = uint64_t(v);
+  out3[0] = float(u & 0xFFFF);
+  out3[1] = float((u >> 16) & 0xFFFF);
+  out3[2] = float((u >> 32) & 0xFFFF);
+}
+
+int64_t decode_count(const float* in3) {
+  return int64_t(std::llround(in3[0])) + (int64_t(std::llround(in3[1])) << 16) +
+         (int64_t(std::llround(in3[2])) << 32);
+}
+
+std::vector<LoaderState> gather_loader_states(dist::Communicator* comm, const LoaderState& mine) {
+  if (!comm) return {mine};
+  const int world = comm->world();
+  Tensor in = Tensor::empty({6}, DType::F32, Device::cpu(), "loader state");
+  encode_count(int64_t(mine.epoch), in.f32());
+  encode_count(int64_t(mine.index), in.f32() + 3);
+  Tensor out = Tensor::empty({6 * world}, DType::F32, Device::cpu(), "loader states");
+  if (comm->device().is_cpu()) {
+    comm->all_gather(in, out);
+  } else {
+    Tensor d = out.to(comm->device(), "loader states");
+    comm->all_gather(in.to(comm->device(), "loader state"), d);
+    out = d.to(Device::cpu(), "loader states");
+  }
+  std::vector<LoaderState> all(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    all[size_t(r)].epoch = uint64_t(decode_count(out.f32() + 6 * r));
+    all[size_t(r)].index = uint64_t(decode_count(out.f32() + 6 * r + 3));
+  }
+  return all;
+}
+
+LoaderState resplit_loader_state(const std::vector<LoaderState>& saved, int rank, int world,
+                                 const std::string& ckpt_dir) {
+  const int old_world = int(saved.size());
+  if (old_world == world) return saved[size_t(rank)];
+  for (const auto& s : saved)
+    if (!(s == saved[0]))
+      bad_input(
+          "{}: written by {} ranks whose data positions differ (packing), so the data stream "
+          "cannot be re-split for {} ranks; resume it on {} ranks or set packing: false",
+          ckpt_dir, old_world, world, old_world);
+  const uint64_t global = saved[0].index * uint64_t(old_world);
+  if (global % uint64_t(world) != 0)
+    bad_input(
+        "{}: {} samples of epoch {} are done, which {} ranks cannot split evenly; resume on a "
+        "world size that divides it",
+        ckpt_dir, global, saved[0].epoch, world);
+  return LoaderState{saved[0].epoch, global / uint64_t(world)};
+}
+
+// ---- sharded checkpoint files -------------------------------------------------------------------
+
+std::string shard_file_name(int rank, int world) {
+  return fmt::format("shard-{}-of-{}.safetensors", rank, world);
+}
+
+namespace {
+
+std::vector<FlatUnit> units_of_layout(const json& layout) {
+  std::vector<FlatUnit> out;
+  for (const auto& u : layout.at("units")) {
+    FlatUnit f;
+    f.name = u.at("name");
+    f.trainable = u.at("trainable");
+    for (const auto& p : u.at("params"))
+      f.params.emplace_back(p.at(0).get<std::string>(), p.at(1).get<int64_t>());
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+}  // namespace
+
+void check_layout(const json& saved_layout, const std::vector<FlatUnit>& units,
+                  const std::string& ckpt_dir) {
+  std::map<std::string, const FlatUnit*> saved;
+  auto su = units_of_layout(saved_layout);
+  for (const auto& u : su) saved[u.name] = &u;
+  for (const auto& u : units) {
+    if (!u.trainable) continue;
+    auto it = saved.find(u.name);
+    if (it == saved.end())
+      bad_input(
+          "{}: the checkpoint has no parameter unit '{}': it was written for another model or "
+          "method",
+          ckpt_dir, u.name);
+    if (it->second->params != u.params)
+      bad_input(
+          "{}: parameter unit '{}' holds other tensors or shapes than this model's ({} vs {} "
+          "elements): "
+          "it was written for another model",
+          ckpt_dir, u.name, it->second->numel(), u.numel());
+  }
+}
+
+Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir,
+                                               const json& saved_layout) {
+  const int old_world = saved_layout.at("world").get<int>();
+  json manifest = json::parse(read_file((fs::path(ckpt_dir) / "manifest.json").string()));
+  auto files = std::make_shared<std::vector<std::optional<SafeTensorsFile>>>(size_t(old_world));
+  auto open = [ckpt_dir, old_world, manifest, files](int r) -> SafeTensorsFile& {
+    auto& f = (*files)[size_t(r)];
+    if (!f) {
+      std::string name = shard_file_name(r, old_world), path = (fs::path(ckpt_dir) / name).string();
+      if (!manifest["files"].contains(name))
+        bad_input("{}: the manifest does not list {}", ckpt_dir, name);
+      if (!fs::exists(path)) bad_input("{}: shard file {} is missing", ckpt_dir, name);
+      if (xxh3_file_hex(path) != manifest["files"][name].at("xxh3").get<std::string>())
+        bad_input("{}: checksum does not match the manifest (corrupted on disk?)", path);
+      f = SafeTensorsFile::open(path);
+    }
+    return *f;
+  };
+  return [open, old_world](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end,
+                           float* out) {
+    const dist::FlatShard fs = dist::FlatShard::of(u.numel(), old_world);
+    for (int r = 0; r < old_world && begin < end; ++r) {
+      const int64_t b = fs.begin(r), e = b + fs.shard;
+      const int64_t lo = std::max(begin, b), hi = std::min(end, e);
+      if (lo >= hi) continue;
+      SafeTensorsFile& f = open(r);
+      const std::string key = prefix + u.name;
+      if (!f.has(key)) return false;
+      Tensor t = f.get_f32(key);
+      if (t.numel() != fs.shard)
+        bad_input("tensor '{}' has {} elements, expected {}", key, t.numel(), fs.shard);
+      std::copy(t.f32() + (lo - b), t.f32() + (hi - b), out + (lo - begin));
+    }
+    return true;
+  };
+}
+
+Sharded::RangeReader named_tensor_reader(const std::map<std::string, Tensor>& tensors) {
+  return [&tensors](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end,
+                    float* out) {
+    int64_t off = 0;
+    for (const auto& [name, n] : u.params) {
+      const int64_t lo = std::max(begin, off), hi = std::min(end, off + n);
+      if (lo < hi) {
+        auto it = tensors.find(prefix + name);
+        if (it == tensors.end()) return false;
+        Tensor t =
+            it->second.device().is_cpu() ? it->second : it->second.to(Device::cpu(), "checkpoint");
+        if (t.numel() != n)
+          bad_input("tensor '{}{}' has {} elements, expected {}", prefix, name, t.numel(), n);
+        std::copy(t.f32() + (lo - off), t.f32() + (hi - off), out + (lo - begin));
+      }
+      off += n;
+    }
+    return true;
+  };
+}
+
+std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir,
+                                                    const json& saved_layout) {
+  auto read = sharded_checkpoint_reader(ckpt_dir, saved_layout);
+  std::map<std::string, Tensor> out;
+  for (const auto& u : units_of_layout(saved_layout)) {
+    if (!u.trainable) continue;
+    for (const char* prefix : {"param.", "adamw.m.", "adamw.v."}) {
+      Tensor flat = Tensor::empty({u.numel()}, DType::F32, Device::cpu(), "checkpoint");
+      if (!read(prefix, u, 0, u.numel(), flat.f32())) continue;
+      int64_t off = 0;
+      for (const auto& [name, n] : u.params) {
+        out[prefix + name] = flat.slice_rows(off, off + n);
+        off += n;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace rig

@@ -1,0 +1,140 @@
+// The training strategies over several ranks, as StepHooks the model calls during its step:
+//   DataParallel  every rank holds the whole model; gradients are summed across ranks in buckets
+//                 that start while the backward pass is still running.
+//   Sharded       every rank holds 1/world of every parameter (flat per layer), of its gradients
+//                 and of the optimizer state; a layer's weights are all-gathered just before use
+//                 and freed after, its gradients reduce-scattered as soon as they are final.
+// Plus what resuming on another world size needs: loader positions of every rank, and sharded
+// checkpoints (one file per rank and a layout) re-sliced for any world.
+#pragma once
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "rig/data/loader.h"
+#include "rig/dist/bucket.h"
+#include "rig/model/llama.h"
+#include "rig/optim/adamw.h"
+
+namespace rig {
+
+class DataParallel : public StepHooks {
+ public:
+  // Allocates the model's gradients (zero_grad) so the buckets can refer to them; they must stay
+  // the same tensors afterwards (zero_grad zeroes in place). powersgd_rank > 0 compresses the
+  // gradients of weight matrices to that rank (PowerSGD with error feedback, after the backward
+  // pass); vectors and small matrices still go through the buckets.
+  DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes,
+               int powersgd_rank = 0, uint64_t seed = 0);
+  ~DataParallel() override;
+  // Only the micro-step whose backward ends the accumulation communicates.
+  void set_sync(bool on) { sync_ = on; }
+  void before(int, Phase) override {}
+  void after(int group, Phase phase) override;
+  // Waits for every bucket: the gradients are then the sums over all ranks.
+  void finish();
+  size_t num_buckets() const { return buckets_ ? buckets_->num_buckets() : 0; }
+
+ private:
+  struct Compressed;
+  void powersgd();
+  dist::Communicator& comm_;
+  std::unique_ptr<dist::BucketedAllReduce> buckets_;
+  std::map<int, std::vector<size_t>> of_group_;  // group -> bucket tensor indices
+  std::vector<Compressed> compressed_;
+  int rank_ = 0;
+  bool sync_ = true;
+};
+
+// One flat buffer of a parameter group, as a sharded checkpoint's layout records it.
+struct FlatUnit {
+  std::string name;  // "outer.decay", "layer.3.no_decay", "layer.3.frozen", ...
+  int group = -1;
+  bool trainable = false, no_decay = false;
+  std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
+  int64_t numel() const;
+};
+
+class Sharded : public StepHooks {
+ public:
+  // Takes over the model's parameters: keeps this rank's shard of each flat unit and releases
+  // the full tensors (Param::value becomes undefined until a hook gathers it).
+  Sharded(dist::Communicator& comm, LlamaModel& model);
+  ~Sharded() override;
+  // The trainable shards, one Param per unit, named by the unit: what the optimizer steps.
+  std::vector<Param>& params() { return shard_params_; }
+  const std::vector<FlatUnit>& units() const { return units_; }
+  void zero_grad();
+  // The global gradient norm (as clip_grad_norm_ over all ranks' shards) and the clipping.
+  double clip_grad_norm(float max_norm);
+
+  void before(int group, Phase phase) override;
+  void after(int group, Phase phase) override;
+  // Waits for the gradient reduce-scatters still in flight (before clipping).
+  void finish();
+  // Every parameter full on every rank (evaluation, generation, the final output) and back.
+  void gather_all();
+  void release_all();
+  bool gathered() const { return pinned_; }
+
+  // Checkpoints: this rank's tensors ("param.<unit>", and the optimizer's "adamw.m.<unit>",
+  // "adamw.v.<unit>") and the layout every rank shares.
+  std::vector<std::pair<std::string, Tensor>> shard_tensors(const AdamW& opt) const;
+  nlohmann::json layout() const;
+  // Fills this rank's shards (and optimizer state) from `read`, which gives [begin, end) of a
+  // unit's flat vector for a prefix ("param.", "adamw.m.", "adamw.v."), or false when the
+  // checkpoint has none (optimizer state before the first step).
+  using RangeReader = std::function<bool(const std::string& prefix, const FlatUnit& u,
+                                         int64_t begin, int64_t end, float* out)>;
+  void load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device dev);
+
+ private:
+  struct Unit;
+  struct PendingGrad;
+  void gather(Unit& u);
+  void prefetch(int group);
+  void release(Unit& u);
+  dist::Communicator& comm_;
+  LlamaModel& model_;
+  std::vector<FlatUnit> units_;
+  std::vector<std::unique_ptr<Unit>> state_;
+  std::map<int, std::vector<size_t>> of_group_;
+  std::vector<Param> shard_params_;
+  std::vector<PendingGrad> pending_;  // reduce-scatters overlapping the next layer's backward
+  bool pinned_ = false;               // gather_all: keep everything until release_all
+};
+
+// Loader positions of every rank (a collective when comm is set).
+std::vector<LoaderState> gather_loader_states(dist::Communicator* comm, const LoaderState& mine);
+// This rank's position when resuming on `world` ranks from positions saved by saved.size()
+// ranks. Another world size works when the ranks were in step (no packing): the global position
+// is re-split. Throws InputError naming the checkpoint otherwise.
+LoaderState resplit_loader_state(const std::vector<LoaderState>& saved, int rank, int world,
+                                 const std::string& ckpt_dir);
+
+// Sharded checkpoints on disk: shard-R-of-W.safetensors per rank plus the layout in the state.
+std::string shard_file_name(int rank, int world);
+// A reader over the shard files of a checkpoint written by `saved_layout["world"]` ranks; checks
+// each file against the manifest once.
+Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir,
+                                               const nlohmann::json& saved_layout);
+// A reader over named full tensors (a checkpoint of an unsharded run).
+Sharded::RangeReader named_tensor_reader(const std::map<std::string, Tensor>& tensors);
+// Every unit of a sharded checkpoint as named full tensors ("param.<name>", "adamw.m.<name>",
+// ...), for resuming it without sharding.
+std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir,
+                                                    const nlohmann::json& saved_layout);
+// Checks a saved layout against the current model's units; InputError naming the first mismatch.
+void check_layout(const nlohmann::json& saved_layout, const std::vector<FlatUnit>& units,
+                  const std::string& ckpt_dir);
+// The units a model's parameters form (without sharding anything).
+std::vector<FlatUnit> flat_units(const LlamaModel& model);
+
+// Counts summed exactly over ranks in float32 collectives: 16-bit pieces.
+void encode_count(int64_t v, float* out3);
+int64_t decode_count(const float* in3);
+
+}  // namespace rig

@@ -13,10 +13,14 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "rig/core/tensor.h"
 #include "rig/ops/ops.h"
+#ifdef RIG_WITH_CUDA
+#include "rig/ops/cuda/cuda_ops.h"
+#endif
 
 namespace rig {
 namespace {
@@ -185,6 +189,39 @@ TEST(OpHarness, GemmAccumulatesWeightGradientInF32) {
 }
 
 // ---- bias ----------------------------------------------------------------------------------
+
+#ifdef RIG_WITH_CUDA
+// gemm + bias in one cuBLASLt call (the bias epilogue), against the CPU's gemm then add_bias.
+TEST(OpHarness, GemmBiasEpilogue) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(5);
+  const int64_t before = ops::cuda::gemm_bias_fallbacks();
+  for (DType dab : kDtypes)
+    for (DType dc : kDtypes)
+      for (DType dbias : kDtypes)
+        for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{989, 80, 111}, {111, 1000, 64}, {1, 64, 80}}) {
+          if (dab == DType::F32 && dc != DType::F32) continue;  // not a gemm rig allows
+          Tensor x = rounded(randn({m, k}, g), dab), w = rounded(randn({n, k}, g), dab);
+          Tensor bias = rounded(randn({n}, g), dbias);
+          Tensor want = Tensor::empty({m, n}, DType::F32);
+          ops::gemm_bias(x, false, w, true, want, bias);
+          Tensor got = Tensor::empty({m, n}, dc, Device::cuda(0));
+          ops::gemm_bias(gpu(x, dab), false, gpu(w, dab), true, got, gpu(bias, dbias));
+          EXPECT_CLOSE(host(got), want, dc,
+                       fmt::format("gemm_bias {}x{}x{} {} -> {} bias {}", m, n, k, name(dab), name(dc), name(dbias)));
+        }
+  const int64_t fallbacks = ops::cuda::gemm_bias_fallbacks() - before;
+  std::printf("gemm_bias: %lld of 18 dtype/shape cases fell back to gemm + add_bias\n", (long long)fallbacks);
+  // A bias in the output's dtype (what the model passes) is fused; other mixes may fall back.
+  for (DType dt : kDtypes) {
+    Tensor x = gpu(randn({989, 64}, g), dt), w = gpu(randn({80, 64}, g), dt);
+    Tensor y = Tensor::empty({989, 80}, dt, Device::cuda(0));
+    const int64_t b2 = ops::cuda::gemm_bias_fallbacks();
+    ops::gemm_bias(x, false, w, true, y, gpu(randn({80}, g), dt));
+    EXPECT_EQ(ops::cuda::gemm_bias_fallbacks(), b2) << name(dt) << " gemm with a " << name(dt) << " bias was not fused";
+  }
+}
+#endif
 
 TEST(OpHarness, BiasForwardBackward) {
   RIG_REQUIRE_GPU();

@@ -84,15 +84,14 @@ std::vector<double> rope_inv_freq(const ModelConfig& cfg) {
   return inv;
 }
 
-void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay, bool matrix) {
-  Tensor c = t;
-  params_.push_back(Param{name, std::move(t), Tensor(), std::move(c), true, no_decay, matrix});
+void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand) {
+  params_.push_back(Param{name, std::move(t), Tensor(), Tensor(), true, no_decay, compute_operand});
 }
 
 void LlamaModel::bind_outer() {
-  embed_ = params_.front().compute;
+  embed_ = params_.front().operand();
   final_norm_ = find_param("model.norm.weight")->value;
-  lm_head_ = cfg_.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->compute;
+  lm_head_ = cfg_.tie_word_embeddings ? embed_ : find_param("lm_head.weight")->operand();
 }
 
 Tensor LlamaModel::act(const Shape& s, const char* what) const { return Tensor::empty(s, act_, dev_, what); }
@@ -108,17 +107,15 @@ void LlamaModel::set_compute_dtype(DType dt) {
   if (dt == act_) return;
   RIG_CHECK(dt == DType::F32 || dt == DType::BF16, "compute dtype must be F32 or BF16, not {}", dtype_name(dt));
   for (auto& p : params_) {
-    if (!p.matrix) continue;
-    if (dt == DType::F32) {
-      if (!p.trainable && p.value.dtype() != DType::F32) {
-        p.value = Tensor::empty(p.value.shape(), DType::F32, dev_, "parameter");
-        ops::cast(p.compute, p.value);
-      }
-      p.compute = p.value;
+    if (!p.compute_operand) continue;
+    p.compute = Tensor();
+    if (p.value.dtype() == dt) continue;  // a frozen matrix already stored in `dt`
+    Tensor c = Tensor::empty(p.value.shape(), dt, dev_, "weight");
+    ops::cast(p.value, c);
+    if (p.trainable && dt == DType::BF16) {
+      p.compute = c;  // the float32 master stays in `value`
     } else {
-      p.compute = Tensor::empty(p.value.shape(), dt, dev_, "bf16 weight");
-      ops::cast(p.value, p.compute);
-      if (!p.trainable) p.value = p.compute;  // frozen: the float32 copy is not needed
+      p.value = c;  // frozen: stored in the compute dtype itself
     }
   }
   act_ = dt;
@@ -127,7 +124,7 @@ void LlamaModel::set_compute_dtype(DType dt) {
 
 void LlamaModel::refresh_compute_weights() {
   for (auto& p : params_)
-    if (p.matrix && p.trainable && p.compute.raw() != p.value.raw()) ops::cast(p.value, p.compute);
+    if (p.compute.defined()) ops::cast(p.value, p.compute);
 }
 
 void LlamaModel::build(const ModelConfig& cfg) {
@@ -151,7 +148,7 @@ void LlamaModel::build(const ModelConfig& cfg) {
       register_param(lin.module + ".weight", fresh({out[p], in[p]}, names[p]), false, true);
       if (bias[p]) {
         lin.b = int(params_.size());
-        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, false);
+        register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, true);
       }
     }
     L->in_norm = int(params_.size());
@@ -169,9 +166,8 @@ void LlamaModel::build(const ModelConfig& cfg) {
 void LlamaModel::to_device(Device dev) {
   if (dev == dev_) return;
   for (auto& p : params_) {
-    const bool shared = p.compute.raw() == p.value.raw();
     p.value = p.value.to(dev, "parameter");
-    p.compute = shared ? p.value : p.compute.to(dev, "bf16 weight");
+    if (p.compute.defined()) p.compute = p.compute.to(dev, "bf16 weight");
     if (p.grad.defined()) p.grad = p.grad.to(dev, "gradient");
   }
   dev_ = dev;
@@ -366,8 +362,11 @@ struct LinearRefs {
 
 void linear_forward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
                     Tensor& y, Tensor* xa) {
-  ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
-  if (L.b.defined()) ops::add_bias(y, L.b);
+  if (L.b.defined()) {
+    ops::gemm_bias(x, false, L.w, true, y, L.b);
+  } else {
+    ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
+  }
   if (!L.a.defined()) return;
   Tensor xd = x;
   if (p > 0) {
@@ -409,9 +408,9 @@ void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, c
 
 #define RIG_LIN(lin)                                                                         \
   LinearRefs {                                                                               \
-    params_[size_t((lin).w)].compute, (lin).b >= 0 ? params_[size_t((lin).b)].value : kNone, \
-        (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].compute : kNone,                   \
-        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].compute : kNone,                   \
+    params_[size_t((lin).w)].operand(), (lin).b >= 0 ? params_[size_t((lin).b)].operand() : kNone, \
+        (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].operand() : kNone,                   \
+        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].operand() : kNone,                   \
         grad_of((lin).w), grad_of((lin).b), grad_of((lin).lora_a), grad_of((lin).lora_b)     \
   }
 

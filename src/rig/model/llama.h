@@ -19,13 +19,17 @@ namespace rig {
 struct Param {
   std::string name;
   Tensor value, grad;  // grad is defined for trainable parameters after zero_grad()
-  // What the matrix products read: `value` itself, or a BF16 copy of a trainable matrix under a
-  // BF16 compute dtype (refresh_compute_weights() after changing `value`). Frozen matrices under
-  // BF16 are stored in BF16 only (value == compute).
+  // Under a BF16 compute dtype, the BF16 copy of a trainable operand that the products read
+  // (refresh_compute_weights() after changing `value`); undefined otherwise. Frozen matrices
+  // under BF16 are stored in BF16 (`value` itself) and have no copy.
   Tensor compute;
   bool trainable = true;
   bool no_decay = false;  // norms and biases, for optimizers that exempt them
-  bool matrix = false;    // read by matrix products (linear, LoRA, embedding, LM head weights)
+  // Read by the products in the compute dtype: linear, LoRA, embedding and LM head matrices, and
+  // linear biases (cuBLASLt's bias epilogue wants the bias in the output's dtype).
+  bool compute_operand = false;
+  // What the products read.
+  const Tensor& operand() const { return compute.defined() ? compute : value; }
 };
 
 // input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.
@@ -135,7 +139,7 @@ class LlamaModel {
  private:
   LlamaModel();
   void build(const ModelConfig& cfg);
-  void register_param(const std::string& name, Tensor t, bool no_decay, bool matrix);
+  void register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand);
   Tensor act(const Shape& s, const char* what) const;  // an activation in the compute dtype
   Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);

@@ -18,6 +18,9 @@ namespace rig::ops {
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
   RIG_DISPATCH(c, gemm(a, ta, b, tb, c, alpha, beta));
 }
+void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
+  RIG_DISPATCH(c, gemm_bias(a, ta, b, tb, c, bias));
+}
 void add_bias(Tensor& y, const Tensor& bias) { RIG_DISPATCH(y, add_bias(y, bias)); }
 void bias_backward(const Tensor& dy, Tensor& db) { RIG_DISPATCH(dy, bias_backward(dy, db)); }
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {

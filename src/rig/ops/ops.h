@@ -9,6 +9,8 @@ namespace rig::ops {
 // C = alpha * op(A) @ op(B) + beta * C, 2-D tensors; op(X) = X^T when the flag is set.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
           float beta);
+// C = op(A) @ op(B) + bias[None, :] (beta 0); on CUDA the bias rides cuBLASLt's epilogue.
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, const Tensor& bias);
 // y[r, :] += bias; db[:] += sum_r dy[r, :]
 void add_bias(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);

@@ -235,7 +235,7 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
       u->param = int(shard_params_.size());
       Param sp;
       sp.name = units_[k].name;
-      sp.value = sp.compute = shard;
+      sp.value = shard;
       sp.grad = Tensor::zeros({u->fs.shard}, DType::F32, dev, "gradient shard");
       sp.no_decay = units_[k].no_decay;
       shard_params_.push_back(std::move(sp));
@@ -246,7 +246,7 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
     state_.push_back(std::move(u));
   }
   for (auto& p : ps) {
-    p.value = p.compute = Tensor();
+    p.value = Tensor();
     p.grad = Tensor();
   }
   model.bind_outer();  // drops the model's own references to the full tensors
@@ -288,9 +288,8 @@ void Sharded::gather(Unit& u) {
   auto& ps = model_.params();
   for (size_t j = 0; j < u.members.size(); ++j) {
     const int64_t n = shape_numel(u.shapes[j]);
-    // Float32 compute (checked by the trainer): matrix products read the gathered values.
-    ps[u.members[j]].value = ps[u.members[j]].compute =
-        u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+    // Float32 compute (checked by the trainer): the products read `value` itself.
+    ps[u.members[j]].value = u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
   }
 }
 
@@ -312,7 +311,7 @@ void Sharded::release(Unit& u) {
     u.gathering->wait();
     u.gathering.reset();
   }
-  for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
+  for (size_t i : u.members) model_.params()[i].value = Tensor();
   u.full = Tensor();
 }
 

@@ -4,6 +4,7 @@
 
 namespace rig::ops::cpu {
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta);
+void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias);
 void add_bias(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);

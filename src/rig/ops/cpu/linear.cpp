@@ -23,6 +23,11 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
               c.f32(), int(n));
 }
 
+void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
+  gemm(a, ta, b, tb, c, 1.0f, 0.0f);
+  add_bias(c, bias);
+}
+
 void add_bias(Tensor& y, const Tensor& bias) {
   const int64_t rows = y.dim(0), n = y.dim(1);
   float* p = y.f32();

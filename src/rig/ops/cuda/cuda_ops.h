@@ -20,6 +20,9 @@
 
 namespace rig::ops::cuda {
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta);
+void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias);
+// How many gemm_bias calls found no bias-epilogue algorithm and ran gemm + add_bias instead.
+int64_t gemm_bias_fallbacks();
 void add_bias(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);

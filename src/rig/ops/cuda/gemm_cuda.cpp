@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -30,8 +31,9 @@ struct AlgoKey {
   int tab, tc;
   uint32_t align_a, align_b, align_c;
   bool beta_zero;
+  int bias_type;  // -1: no bias epilogue
   auto tie() const {
-    return std::tie(dev, m, n, k, ta, tb, tab, tc, align_a, align_b, align_c, beta_zero);
+    return std::tie(dev, m, n, k, ta, tb, tab, tc, align_a, align_b, align_c, beta_zero, bias_type);
   }
   bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
 };
@@ -42,10 +44,12 @@ std::vector<LtDevice>& devices() {
   static auto* d = new std::vector<LtDevice>();
   return *d;
 }
-std::map<AlgoKey, cublasLtMatmulAlgo_t>& algos() {
-  static auto* a = new std::map<AlgoKey, cublasLtMatmulAlgo_t>();
+// nullopt: cuBLASLt offered no algorithm (only possible with an epilogue; the caller falls back).
+std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>>& algos() {
+  static auto* a = new std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>>();
   return *a;
 }
+int64_t g_bias_fallbacks = 0;
 
 LtDevice& lt_device(int dev) {
   auto& ds = devices();
@@ -82,9 +86,10 @@ struct Pref {
   ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
 };
 
-}  // namespace
-
-void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+// C = alpha op(A) op(B) + beta C (+ bias per column of C through the bias epilogue). Returns false
+// when cuBLASLt has no algorithm for the bias epilogue, having done nothing.
+bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta,
+            const Tensor* bias) {
   const char* op = "gemm";
   const int dev = c.device().index;
   check_on(a, dev, op, "A");
@@ -101,10 +106,16 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
             dtype_name(a.dtype()), dtype_name(b.dtype()));
   RIG_CHECK(!(a.dtype() == DType::F32 && c.dtype() != DType::F32),
             "gemm: F32 inputs need an F32 output, got {}", dtype_name(c.dtype()));
-  if (m == 0 || n == 0) return;
+  if (bias) {
+    check_on(*bias, dev, op, "bias");
+    ktype(*bias, op, "bias");
+    RIG_CHECK(bias->numel() == n, "gemm: bias {} for {} columns", shape_str(bias->shape()), n);
+  }
+  if (m == 0 || n == 0) return true;
   if (k == 0) {
     if (beta == 0) c.zero_(); else scale_(c, beta);
-    return;
+    if (bias) add_bias(c, *bias);
+    return true;
   }
 
   DeviceGuard guard(dev);
@@ -121,6 +132,15 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
       cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
   RIG_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+  if (bias) {
+    // Column-major D is C^T: its rows are C's columns, which is where the epilogue adds bias[i].
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const void* ptr = bias->raw();
+    const cudaDataType_t bt = cuda_type(bias->dtype());
+    RIG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    RIG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)));
+    RIG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
   Layout la, lb, lc;  // column-major views of B, A and C
   RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.d, tab, uint64_t(b.dim(1)), uint64_t(b.dim(0)),
                                               b.dim(1)));
@@ -129,7 +149,8 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
   RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.d, tc, uint64_t(n), uint64_t(m), n));
 
   const AlgoKey key{dev, m, n, k, ta, tb, int(tab), int(tc), alignment(b.raw()),
-                    alignment(a.raw()), alignment(c.raw()), beta == 0.0f};
+                    alignment(a.raw()), alignment(c.raw()), beta == 0.0f,
+                    bias ? int(cuda_type(bias->dtype())) : -1};
   auto it = algos().find(key);
   if (it == algos().end()) {
     Pref pref;
@@ -145,17 +166,45 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
       RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.d, attr, &al, sizeof(al)));
     cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
-    RIG_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ld.handle, desc.d, la.d, lb.d, lc.d, lc.d,
-                                                    pref.d, 1, &res, &found));
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ld.handle, desc.d, la.d, lb.d, lc.d,
+                                                             lc.d, pref.d, 1, &res, &found);
+    if (bias && (st != CUBLAS_STATUS_SUCCESS || found == 0)) {
+      algos().emplace(key, std::nullopt);
+      return false;
+    }
+    RIG_CUBLAS_CHECK(st);
     RIG_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for {}{} x {}{} -> {} ({} x {} -> {})",
               shape_str(a.shape()), ta ? "^T" : "", shape_str(b.shape()), tb ? "^T" : "",
               shape_str(c.shape()), dtype_name(a.dtype()), dtype_name(b.dtype()),
               dtype_name(c.dtype()));
     it = algos().emplace(key, res.algo).first;
   }
+  if (!it->second) return false;
   RIG_CUBLAS_CHECK(cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
-                                  c.raw(), lc.d, c.raw(), lc.d, &it->second, ld.workspace.raw(),
+                                  c.raw(), lc.d, c.raw(), lc.d, &*it->second, ld.workspace.raw(),
                                   kWorkspace, stream_for(dev)));
+  return true;
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+  matmul(a, ta, b, tb, c, alpha, beta, nullptr);
+}
+
+void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
+  if (matmul(a, ta, b, tb, c, 1.0f, 0.0f, &bias)) return;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    ++g_bias_fallbacks;
+  }
+  matmul(a, ta, b, tb, c, 1.0f, 0.0f, nullptr);
+  add_bias(c, bias);
+}
+
+int64_t gemm_bias_fallbacks() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_bias_fallbacks;
 }
 
 }  // namespace rig::ops::cuda

@@ -288,7 +288,7 @@ void Sharded::gather(Unit& u) {
   auto& ps = model_.params();
   for (size_t j = 0; j < u.members.size(); ++j) {
     const int64_t n = shape_numel(u.shapes[j]);
-    // Float32 compute (checked by the trainer): the products read `value` itself.
+    // Float32 compute (checked by the trainer): the products read the gathered values.
     ps[u.members[j]].value = u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
   }
 }

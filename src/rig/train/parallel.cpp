@@ -246,7 +246,7 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
     state_.push_back(std::move(u));
   }
   for (auto& p : ps) {
-    p.value = Tensor();
+    p.value = p.compute = Tensor();
     p.grad = Tensor();
   }
   model.bind_outer();  // drops the model's own references to the full tensors
@@ -311,7 +311,7 @@ void Sharded::release(Unit& u) {
     u.gathering->wait();
     u.gathering.reset();
   }
-  for (size_t i : u.members) model_.params()[i].value = Tensor();
+  for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
   u.full = Tensor();
 }
 

@@ -1,5 +1,7 @@
 #include "rig/train/trainer.h"
 
+#include "rig/dist/launcher.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -299,7 +301,9 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   dist::Communicator* comm = hooks.comm;
   if (!comm) {
     const dist::DistEnv env = dist::env_from_process();
-    if (env.world > 1) {
+    // A launched world of one (--nproc-per-node 1) still goes through the communicator, so the
+    // distributed path can be run on a single GPU.
+    if (env.world > 1 || dist::launched_worker()) {
       if (dev.is_cuda() && (cfg.device == "auto" || cfg.device == "cuda")) dev = Device::cuda(env.local_rank);
       dist::CommOptions co;
       co.timeout = dist::Millis(int64_t(cfg.dist.timeout_s * 1000));

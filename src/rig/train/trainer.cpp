@@ -1,7 +1,5 @@
 #include "rig/train/trainer.h"
 
-#include "rig/dist/launcher.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +11,7 @@
 #include "rig/core/allocator.h"
 #include "rig/data/loader.h"
 #include "rig/data/records.h"
+#include "rig/dist/launcher.h"
 #include "rig/dist/communicator.h"
 #include "rig/hw/telemetry.h"
 #include "rig/io/atomic_file.h"

@@ -3,7 +3,8 @@
 # shared/bench/hf_baseline.py: transformers + PEFT, bf16 autocast, SDPA) and the same rows through
 # `rig bench train`, each rig row with nvidia-smi's peak beside rig's own allocator peak.
 #
-# usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]   (RIG=path/to/rig, default dist/rig/rig)
+# usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]   (RIG=path/to/rig, default dist/rig/rig;
+#        ROWS=0,3 runs those rows of the plan only; STEPS=N timed steps for rig)
 set -u
 out=${1:?usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]}
 which=${2:-both}
@@ -31,9 +32,13 @@ rows=(
   "llama3-1b full 4096 4 1 - 0"
   "llama3-1b lora 2048 8 0 all 16"
 )
+# ROWS=0,3 picks rows of the plan (both sides).
+pick=("${!rows[@]}")
+[ -n "${ROWS:-}" ] && IFS=, read -r -a pick <<< "$ROWS"
 if [ "$which" != hf ]; then
   : > "$out/rig.jsonl"
-  for r in "${rows[@]}"; do
+  for i in "${pick[@]}"; do
+    r=${rows[$i]}
     read -r preset method seq batch ckpt targets rank <<< "$r"
     args=(bench train --device cuda --preset "$preset" --method "$method" --seq "$seq" --batch "$batch"
           --steps "${STEPS:-4}" --json)

@@ -61,6 +61,12 @@ TEST(DistEnv, DefaultIsAWorldOfOne) {
   EXPECT_EQ(d.source, "default");
 }
 
+TEST(DistEnv, UnderTorchrunsAgentTheStoreTakesTheNextPort) {
+  auto d = parse_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"},
+                      {"TORCHELASTIC_RUN_ID", "none"}});
+  EXPECT_EQ(d.master_port, 29501);
+}
+
 TEST(DistEnv, Torchrun) {
   auto d = parse_env({{"RANK", "5"}, {"LOCAL_RANK", "1"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"},
                       {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"}, {"GROUP_RANK", "1"}});

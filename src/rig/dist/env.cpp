@@ -128,6 +128,9 @@ DistEnv parse_env(const EnvMap& env) {
     else if (d.world > 1) bad_input("environment variable MASTER_ADDR is missing (WORLD_SIZE={})", d.world);
     if (find(env, "MASTER_PORT")) d.master_port = get_int(env, "MASTER_PORT", 0);
     else if (d.world > 1) bad_input("environment variable MASTER_PORT is missing (WORLD_SIZE={})", d.world);
+    // Under torchrun its agent already serves torch's own store on MASTER_PORT; rig's store, which
+    // speaks another protocol, takes the next port on every rank.
+    if (find(env, "TORCHELASTIC_RUN_ID") && d.master_port > 0) d.master_port += 1;
   } else if (find(env, "OMPI_COMM_WORLD_RANK")) {
     d.source = "openmpi";
     d.rank = get_int(env, "OMPI_COMM_WORLD_RANK", 0);

@@ -294,7 +294,7 @@ TEST(GpuTraining, NcclWorldOfOneMatchesTheSingleProcessRun) {
       const std::string out = base + "-" + strategy + std::to_string(with_comm);
       std::filesystem::remove_all(out);
       auto c = load_train_config(src + "/configs/demo.yaml",
-                                 {"output_dir=" + out, "device=cuda", "max_steps=30", "eval.every=0",
+                                 {"output_dir=" + out, "device=cuda", "max_steps=50", "eval.every=0",
                                   "eval.generate=0", "save.every=0", "strategy=" + strategy,
                                   std::string("precision=") + (strategy == "ddp" ? "bf16" : "fp32"),
                                   "tokenizer=" + src + "/data/demo/tokenizer.json",
@@ -312,14 +312,14 @@ TEST(GpuTraining, NcclWorldOfOneMatchesTheSingleProcessRun) {
       for (auto& row : read_metrics(out + "/metrics.jsonl").rows)
         if (row.contains("loss") && !row.contains("eval_loss")) losses[with_comm].push_back(row["loss"].get<double>());
     }
-    ASSERT_EQ(losses[0].size(), 30u) << strategy;
-    ASSERT_EQ(losses[1].size(), 30u) << strategy;
+    ASSERT_EQ(losses[0].size(), 50u) << strategy;
+    ASSERT_EQ(losses[1].size(), 50u) << strategy;
     double worst = 0;
     for (size_t i = 0; i < losses[0].size(); ++i)
       worst = std::max(worst, std::fabs(losses[1][i] - losses[0][i]) / losses[0][i]);
     // Only the order of float32 atomics in the embedding gradient may differ between the runs.
     EXPECT_LT(worst, 1e-3) << strategy;
-    std::printf("NCCL world of one, %s: 30 steps, loss %.4f -> %.4f, worst difference from the single run %.2e\n",
+    std::printf("NCCL world of one, %s: 50 steps, loss %.4f -> %.4f, worst difference from the single run %.2e\n",
                 strategy.c_str(), losses[1].front(), losses[1].back(), worst);
   }
 }

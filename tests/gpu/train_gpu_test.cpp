@@ -281,8 +281,10 @@ TEST(GpuTraining, DemoLearnsOnTheGpu) {
               rows.back().value("tokens_per_s", 0.0), rows.back().value("peak_memory_bytes", 0.0) / 1048576);
 }
 
-// The distributed path on one GPU: NCCL with a world of one, data-parallel (bf16) and sharded
-// (float32), against the same run without a communicator.
+// The distributed path on one GPU: NCCL with a world of one, data-parallel and sharded, against the
+// same run without a communicator. In float32: bf16 runs are not bitwise reproducible (the
+// embedding gradient's atomics add in any order, and bf16 rounding amplifies the difference over
+// steps), so only float32 can tell a strategy's error from that noise.
 TEST(GpuTraining, NcclWorldOfOneMatchesTheSingleProcessRun) {
   REQUIRE_GPU();
   if (!dist::nccl_built()) GTEST_SKIP() << "this build has no NCCL";
@@ -296,7 +298,7 @@ TEST(GpuTraining, NcclWorldOfOneMatchesTheSingleProcessRun) {
       auto c = load_train_config(src + "/configs/demo.yaml",
                                  {"output_dir=" + out, "device=cuda", "max_steps=50", "eval.every=0",
                                   "eval.generate=0", "save.every=0", "strategy=" + strategy,
-                                  std::string("precision=") + (strategy == "ddp" ? "bf16" : "fp32"),
+                                  "precision=fp32",
                                   "tokenizer=" + src + "/data/demo/tokenizer.json",
                                   "datasets.0.path=" + src + "/data/demo/reverse.jsonl"});
       TrainHooks h{{}, true};
@@ -318,7 +320,7 @@ TEST(GpuTraining, NcclWorldOfOneMatchesTheSingleProcessRun) {
     for (size_t i = 0; i < losses[0].size(); ++i)
       worst = std::max(worst, std::fabs(losses[1][i] - losses[0][i]) / losses[0][i]);
     // Only the order of float32 atomics in the embedding gradient may differ between the runs.
-    EXPECT_LT(worst, 1e-3) << strategy;
+    EXPECT_LT(worst, 1e-4) << strategy;
     std::printf("NCCL world of one, %s: 50 steps, loss %.4f -> %.4f, worst difference from the single run %.2e\n",
                 strategy.c_str(), losses[1].front(), losses[1].back(), worst);
   }

@@ -3,6 +3,7 @@
 
 #include "command.h"
 #include "rig/data/records.h"
+#include "rig/model/config.h"
 #include "rig/train/trainer.h"
 
 namespace {
@@ -41,10 +42,16 @@ int run_generate(const GenOpts& o) {
   go.top_p = o.top_p;
   go.seed = o.seed;
   go.vocab_limit = tok.vocab_size();
-  for (const auto& a : tok.added_tokens())
-    if (a.special && (a.content.find("end") != std::string::npos || a.content.find("eot") != std::string::npos ||
-                      a.content == "</s>"))
-      go.stop_ids.push_back(a.id);
+  // Stop where transformers would: the model's eos_token_id(s); a model folder that names none
+  // falls back to the special tokens that end a turn or a text in the common templates (never
+  // the header markers such as <|end_header_id|>, which sit inside a Llama 3 prompt).
+  for (int64_t id : rig::load_eos_token_ids(o.model)) go.stop_ids.push_back(int(id));
+  if (go.stop_ids.empty())
+    for (const auto& a : tok.added_tokens())
+      if (a.special && (a.content == "</s>" || a.content == "<|endoftext|>" ||
+                        a.content == "<|end_of_text|>" || a.content == "<|eot_id|>" ||
+                        a.content == "<|im_end|>" || a.content == "<|eom_id|>"))
+        go.stop_ids.push_back(a.id);
   auto out = rig::generate(*m, ids, go);
   fmt::print("{}\n", tok.decode(out, rig::DecodeOptions{true}));
   return 0;

@@ -4,6 +4,7 @@
 
 #include "rig/core/allocator.h"
 #include "rig/core/tensor.h"
+#include "rig/io/atomic_file.h"
 #include "test_util.h"
 
 using namespace rig;
@@ -60,6 +61,19 @@ json base() {
           {"num_hidden_layers", 1}, {"num_attention_heads", 4}};
 }
 }  // namespace
+
+// Generation stops at eos_token_id from generation_config.json before config.json, as a list or
+// a number (Llama 3 Instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|>).
+TEST(ModelConfig, EosTokenIdsFromGenerationConfig) {
+  const std::string d = test::temp_dir("eos-ids"), empty = test::temp_dir("eos-ids-none");
+  write_file_atomic(d + "/config.json", R"({"eos_token_id": 128001})");
+  EXPECT_EQ(load_eos_token_ids(d), (std::vector<int64_t>{128001}));
+  write_file_atomic(d + "/generation_config.json", R"({"eos_token_id": [128001, 128008, 128009]})");
+  EXPECT_EQ(load_eos_token_ids(d), (std::vector<int64_t>{128001, 128008, 128009}));
+  write_file_atomic(d + "/generation_config.json", R"({"eos_token_id": "x"})");
+  EXPECT_THROW(load_eos_token_ids(d), InputError);
+  EXPECT_TRUE(load_eos_token_ids(empty).empty());
+}
 
 TEST(ModelConfigBadInput, MissingSize) {
   json j = base();

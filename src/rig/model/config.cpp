@@ -189,4 +189,31 @@ int64_t ModelConfig::num_parameters() const {
   return num_layers * layer + emb + h;
 }
 
+std::vector<int64_t> load_eos_token_ids(const std::string& model_dir) {
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    const std::string path = (std::filesystem::path(model_dir) / name).string();
+    if (!std::filesystem::exists(path)) continue;
+    json j;
+    try {
+      j = json::parse(read_file(path));
+    } catch (const json::parse_error& e) {
+      bad_input("{}: not valid JSON: {}", path, e.what());
+    }
+    if (!j.is_object() || !j.contains("eos_token_id") || j["eos_token_id"].is_null()) continue;
+    const json& e = j["eos_token_id"];
+    std::vector<int64_t> ids;
+    auto take = [&](const json& v) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0)
+        bad_input("{}: eos_token_id must be a token id or a list of them, found {}", path, e.dump());
+      ids.push_back(v.get<int64_t>());
+    };
+    if (e.is_array())
+      for (const auto& v : e) take(v);
+    else
+      take(e);
+    return ids;
+  }
+  return {};
+}
+
 }  // namespace rig

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace rig {
 
@@ -40,5 +41,9 @@ struct ModelConfig {
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   int64_t num_parameters() const;
 };
+
+// The token ids that end generation, as transformers decides: `eos_token_id` (a number or a list)
+// of generation_config.json in `model_dir`, else of config.json; empty when neither names one.
+std::vector<int64_t> load_eos_token_ids(const std::string& model_dir);
 
 }  // namespace rig

@@ -11,15 +11,24 @@ which=${2:-both}
 rig=${RIG:-dist/rig/rig}
 mkdir -p "$out"
 
-# Runs "$@" while nvidia-smi samples the used memory every 100 ms; appends the peak in MiB.
+# Runs "$@" (which prints one JSON line) while nvidia-smi samples the used memory every 100 ms;
+# appends that line to rig.jsonl with the row index and nvidia-smi's peak in MiB added.
 with_smi_peak() {
+  local row=$1
+  shift
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$out/smi.tmp" &
   local smi=$!
-  "$@"
+  "$@" > "$out/line.tmp"
   local rc=$?
   kill "$smi" 2>/dev/null
   wait "$smi" 2>/dev/null
-  echo "{\"smi_peak_mib\": $(sort -n "$out/smi.tmp" | tail -1), \"rc\": $rc}" >> "$out/rig.jsonl"
+  python3 - "$out/line.tmp" "$row" "$(sort -n "$out/smi.tmp" | tail -1)" "$rc" >> "$out/rig.jsonl" <<'PY'
+import json, sys
+text = open(sys.argv[1]).read().strip()
+r = json.loads(text) if text else {}
+r = {"row": int(sys.argv[2]), "side": "rig", **r, "smi_peak_mib": int(sys.argv[3] or 0), "rc": int(sys.argv[4])}
+print(json.dumps(r))
+PY
   return $rc
 }
 
@@ -41,13 +50,13 @@ if [ "$which" != hf ]; then
     r=${rows[$i]}
     read -r preset method seq batch ckpt targets rank <<< "$r"
     args=(bench train --device cuda --preset "$preset" --method "$method" --seq "$seq" --batch "$batch"
-          --steps "${STEPS:-4}" --json)
+          --steps "${STEPS:-4}" --json --profile)
     [ "$ckpt" = 1 ] && args+=(--checkpointing)
     [ "$method" = lora ] && args+=(--lora-targets "$targets" --lora-r "$rank")
     echo "rig ${args[*]}" >&2
-    with_smi_peak "$rig" "${args[@]}" >> "$out/rig.jsonl" || echo "rig row failed: $r" >&2
+    with_smi_peak "$i" "$rig" "${args[@]}" || echo "rig row failed: $r" >&2
   done
 fi
 if [ "$which" != rig ]; then
-  python3 "$(dirname "$0")/hf_baseline.py" "$out" 2>&1 | grep -v Warning
+  python3 "$(dirname "$0")/hf_baseline.py" "$out" 2>&1 | grep -v Warning | tee "$out/hf.jsonl"
 fi

@@ -7,6 +7,8 @@
 #include "command.h"
 #include "rig/core/allocator.h"
 #include "rig/model/llama.h"
+#include "rig/io/atomic_file.h"
+#include "rig/ops/profile.h"
 #include "rig/optim/adamw.h"
 
 namespace {
@@ -17,7 +19,8 @@ struct Opts {
   int64_t batch = 4, seq = 256, steps = 5, warmup = 1;
   std::string method = "full", device = "cpu";
   int lora_r = 16;
-  bool ckpt = false, json = false;
+  bool ckpt = false, json = false, profile = false;
+  std::string trace;
 };
 
 int run(const Opts& o) {
@@ -86,6 +89,27 @@ int run(const Opts& o) {
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= o.warmup) secs += dt;
   }
+  // One more step with every op's span recorded: where the step's time goes.
+  nlohmann::json breakdown;
+  if (o.profile || !o.trace.empty()) {
+    rig::ops::profile_open(dev.is_cuda() ? dev.index : -1);
+    m->zero_grad();
+    m->step(b, so);
+    opt.clip_and_step(m->params(), 1e-4f);
+    m->refresh_compute_weights();
+    const rig::ops::Profile p = rig::ops::profile_close();
+    for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
+    nlohmann::json per_op;
+    for (const auto& s : p.spans) {
+      auto& e = per_op[s.op];
+      e["ms"] = e.value("ms", 0.0) + (s.end_ms - s.start_ms);
+      e["calls"] = e.value("calls", 0) + 1;
+    }
+    breakdown["ops"] = per_op;
+    breakdown["step_ms"] = p.wall_ms;
+    breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
+    if (!o.trace.empty()) rig::write_file_atomic(o.trace, p.chrome_trace());
+  }
   const double tokens = double(o.batch * o.seq * o.steps);
   const double n = double(m->num_parameters(false));
   // Model FLOPs as shared/bench counts them: the input embedding is a lookup, not a product.
@@ -105,9 +129,17 @@ int run(const Opts& o) {
                       {"step_ms", 1e3 * secs / double(o.steps)},
                       {"peak_memory_bytes", alloc.peak()},
                       {"losses", losses}};
+  if (!breakdown.is_null()) r["breakdown"] = breakdown;
   if (o.json) {
     fmt::print("{}\n", r.dump());
   } else {
+    if (!breakdown.is_null()) {
+      const double step = breakdown["step_ms"];
+      for (const auto& [k, v] : breakdown.items())
+        if (k != "step_ms" && k != "ops")
+          fmt::print("  {:<16} {:9.2f} ms  {:5.1f}%\n", k, v.get<double>(), 100.0 * v.get<double>() / step);
+      fmt::print("  {:<16} {:9.2f} ms\n", "profiled step", step);
+    }
     fmt::print("{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
                "{:.3f} TFLOP/s, peak {}\n",
                o.method, int64_t(n), m->num_parameters(true), o.batch, o.seq,
@@ -137,6 +169,10 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
   app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
   app.add_flag("--checkpointing", o->ckpt, "recompute each layer's forward in backward");
   app.add_flag("--json", o->json, "one JSON line");
+  app.add_flag("--profile", o->profile,
+               "time one more step op by op: milliseconds per category (matmul, attention, norm, "
+               "elementwise, loss, optimizer) and the rest (copies, launch gaps, host work)");
+  app.add_option("--trace", o->trace, "write that profiled step as a Chrome trace (Perfetto) JSON file");
   return [o] { return run(*o); };
 });
 

@@ -2,74 +2,90 @@
 #include "rig/ops/cpu/cpu_ops.h"
 #include "rig/ops/ops.h"
 
+#include "rig/ops/profile.h"
+
+// Every op records its span under a category while a profile is open (rig bench train --profile).
 #ifdef RIG_WITH_CUDA
 #include "rig/ops/cuda/cuda_ops.h"
-#define RIG_DISPATCH(t, call)                       \
-  do {                                              \
-    if ((t).device().is_cuda()) return cuda::call;  \
-    return cpu::call;                               \
+#define RIG_DISPATCH_AS(category, t, call)                                         \
+  do {                                                                             \
+    OpScope rig_scope_(__func__, category, (t).device().is_cuda(), (t).device().index); \
+    if ((t).device().is_cuda()) return cuda::call;                                 \
+    return cpu::call;                                                              \
   } while (0)
 #else
-#define RIG_DISPATCH(t, call) return cpu::call
+#define RIG_DISPATCH_AS(category, t, call)                   \
+  do {                                                       \
+    OpScope rig_scope_(__func__, category, false, -1);       \
+    return cpu::call;                                        \
+  } while (0)
 #endif
 
 namespace rig::ops {
 
+void set_deterministic(bool on) {
+#ifdef RIG_WITH_CUDA
+  cuda::set_deterministic(on);
+#else
+  (void)on;
+#endif
+}
+
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
-  RIG_DISPATCH(c, gemm(a, ta, b, tb, c, alpha, beta));
+  RIG_DISPATCH_AS("matmul", c, gemm(a, ta, b, tb, c, alpha, beta));
 }
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
-  RIG_DISPATCH(c, gemm_bias(a, ta, b, tb, c, bias));
+  RIG_DISPATCH_AS("matmul", c, gemm_bias(a, ta, b, tb, c, bias));
 }
-void add_bias(Tensor& y, const Tensor& bias) { RIG_DISPATCH(y, add_bias(y, bias)); }
-void bias_backward(const Tensor& dy, Tensor& db) { RIG_DISPATCH(dy, bias_backward(dy, db)); }
+void add_bias(Tensor& y, const Tensor& bias) { RIG_DISPATCH_AS("elementwise", y, add_bias(y, bias)); }
+void bias_backward(const Tensor& dy, Tensor& db) { RIG_DISPATCH_AS("elementwise", dy, bias_backward(dy, db)); }
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
-  RIG_DISPATCH(out, embedding_forward(ids, table, out));
+  RIG_DISPATCH_AS("elementwise", out, embedding_forward(ids, table, out));
 }
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
-  RIG_DISPATCH(dout, embedding_backward(ids, dout, dtable));
+  RIG_DISPATCH_AS("elementwise", dout, embedding_backward(ids, dout, dtable));
 }
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
-  RIG_DISPATCH(x, rmsnorm_forward(x, w, eps, y, rstd));
+  RIG_DISPATCH_AS("norm", x, rmsnorm_forward(x, w, eps, y, rstd));
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw) {
-  RIG_DISPATCH(x, rmsnorm_backward(dy, x, w, rstd, dx, dw));
+  RIG_DISPATCH_AS("norm", x, rmsnorm_backward(dy, x, w, rstd, dx, dw));
 }
 void rope_forward(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads) {
-  RIG_DISPATCH(x, rope(x, pos, cos, sin, heads, false));
+  RIG_DISPATCH_AS("elementwise", x, rope(x, pos, cos, sin, heads, false));
 }
 void rope_backward(Tensor& dx, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads) {
-  RIG_DISPATCH(dx, rope(dx, pos, cos, sin, heads, true));
+  RIG_DISPATCH_AS("elementwise", dx, rope(dx, pos, cos, sin, heads, true));
 }
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
                        Tensor& out, Tensor& lse) {
-  RIG_DISPATCH(q, attention_forward(q, k, v, seg, out, lse));
+  RIG_DISPATCH_AS("attention", q, attention_forward(q, k, v, seg, out, lse));
 }
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
                         Tensor& dk, Tensor& dv) {
-  RIG_DISPATCH(q, attention_backward(dout, q, k, v, seg, out, lse, dq, dk, dv));
+  RIG_DISPATCH_AS("attention", q, attention_backward(dout, q, k, v, seg, out, lse, dq, dk, dv));
 }
 void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a) {
-  RIG_DISPATCH(g, swiglu_forward(g, u, a));
+  RIG_DISPATCH_AS("elementwise", g, swiglu_forward(g, u, a));
 }
 void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du) {
-  RIG_DISPATCH(g, swiglu_backward(da, g, u, dg, du));
+  RIG_DISPATCH_AS("elementwise", g, swiglu_backward(da, g, u, dg, du));
 }
 double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
                      Tensor* dlogits, int64_t* valid) {
-  RIG_DISPATCH(logits, cross_entropy(logits, targets, grad_scale, dlogits, valid));
+  RIG_DISPATCH_AS("loss", logits, cross_entropy(logits, targets, grad_scale, dlogits, valid));
 }
-void add_(Tensor& a, const Tensor& b, float alpha) { RIG_DISPATCH(a, add_(a, b, alpha)); }
-void scale_(Tensor& a, float s) { RIG_DISPATCH(a, scale_(a, s)); }
-double sum_squares(const Tensor& a) { RIG_DISPATCH(a, sum_squares(a)); }
-void cast(const Tensor& src, Tensor& dst) { RIG_DISPATCH(dst, cast(src, dst)); }
+void add_(Tensor& a, const Tensor& b, float alpha) { RIG_DISPATCH_AS("elementwise", a, add_(a, b, alpha)); }
+void scale_(Tensor& a, float s) { RIG_DISPATCH_AS("elementwise", a, scale_(a, s)); }
+double sum_squares(const Tensor& a) { RIG_DISPATCH_AS("optimizer", a, sum_squares(a)); }
+void cast(const Tensor& src, Tensor& dst) { RIG_DISPATCH_AS("elementwise", dst, cast(src, dst)); }
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
-  RIG_DISPATCH(x, dropout(x, p, seed, out));
+  RIG_DISPATCH_AS("elementwise", x, dropout(x, p, seed, out));
 }
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
-  RIG_DISPATCH(param, adamw_step(param, grad, m, v, h));
+  RIG_DISPATCH_AS("optimizer", param, adamw_step(param, grad, m, v, h));
 }
 
 }  // namespace rig::ops

@@ -20,6 +20,7 @@
 #include "rig/ops/ops.h"
 #ifdef RIG_WITH_CUDA
 #include "rig/ops/cuda/cuda_ops.h"
+#include "rig/ops/cuda/sdpa_cudnn.h"
 #endif
 
 namespace rig {
@@ -374,6 +375,60 @@ Tensor segments(int64_t B, int64_t T) {
   return ints(v, {B, T});
 }
 
+#ifdef RIG_WITH_CUDA
+// Runs forward and backward of `impl` (auto, cudnn, flash, reference) on the GPU against the CPU
+// oracle. BF16 tolerance 2e-2 (normalised): the kernels round P and dS to bf16 before their
+// products (relative error 2^-9 per term) and the outputs once more; float32 lse 1e-5.
+Tensor nans(const Shape& s) { return Tensor::from_f32(std::vector<float>(size_t(shape_numel(s)), NAN), s); }
+
+struct ImplScope {
+  explicit ImplScope(const std::string& impl) : prev(ops::cuda::attention_impl()) {
+    ops::cuda::set_attention_impl(impl);
+  }
+  ~ImplScope() { ops::cuda::set_attention_impl(prev); }
+  std::string prev;
+};
+
+void check_attention(const std::string& impl, const AttnCase& c, DType dt, std::mt19937& g,
+                     bool backward = true) {
+  ImplScope scope(impl);
+  const std::string what = fmt::format("attention[{}] B={} T={} Hq={} Hk={} D={}{}", impl, c.B, c.T,
+                                       c.Hq, c.Hk, c.D, c.packed ? " packed" : "");
+  Tensor q = rounded(randn({c.B, c.T, c.Hq, c.D}, g), dt);
+  Tensor k = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
+  Tensor v = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
+  Tensor seg = c.packed ? segments(c.B, c.T) : Tensor();
+  Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32);
+  ops::attention_forward(q, k, v, seg, out, lse);
+
+  Tensor dq_ = gpu(q, dt), dk_ = gpu(k, dt), dv_ = gpu(v, dt);
+  Tensor dseg = c.packed ? gpu(seg) : Tensor();
+  // Poisoned outputs: an element the kernel does not write fails the comparison.
+  Tensor dout_ = gpu(nans(q.shape()), dt);
+  Tensor dlse = gpu(nans({c.B, c.Hq, c.T}));
+  ops::attention_forward(dq_, dk_, dv_, dseg, dout_, dlse);
+  if (impl != "auto") EXPECT_EQ(ops::cuda::last_attention_impl(false), impl) << what;
+  EXPECT_CLOSE(host(dout_), out, dt, what + " out");
+  EXPECT_CLOSE(host(dlse), lse, DType::F32, what + " lse");
+  if (!backward) return;
+
+  // Backward from the GPU's own saved out/lse, given to both backends.
+  Tensor go = rounded(randn(q.shape(), g), dt);
+  Tensor o_saved = host(dout_), l_saved = host(dlse);
+  Tensor gq = Tensor::empty(q.shape(), DType::F32), gk = Tensor::empty(k.shape(), DType::F32),
+         gv = Tensor::empty(k.shape(), DType::F32);
+  ops::attention_backward(go, q, k, v, seg, o_saved, l_saved, gq, gk, gv);
+  Tensor dgq = gpu(nans(q.shape()), dt);
+  Tensor dgk = gpu(nans(k.shape()), dt);
+  Tensor dgv = gpu(nans(k.shape()), dt);
+  ops::attention_backward(gpu(go, dt), dq_, dk_, dv_, dseg, dout_, dlse, dgq, dgk, dgv);
+  if (impl != "auto") EXPECT_EQ(ops::cuda::last_attention_impl(true), impl) << what;
+  EXPECT_CLOSE(host(dgq), gq, dt, what + " dq");
+  EXPECT_CLOSE(host(dgk), gk, dt, what + " dk");
+  EXPECT_CLOSE(host(dgv), gv, dt, what + " dv");
+}
+
+// The fp32 reference kernel (any head_dim up to 256, F32 and BF16).
 TEST(OpHarness, Attention) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(8);
@@ -382,62 +437,101 @@ TEST(OpHarness, Attention) {
       {3, 33, 2, 1, 32, false}, {1, 70, 3, 3, 96, true},  {1, 40, 2, 2, 256, false},
   };
   for (const auto& c : cases)
-    for (DType dt : kDtypes) {
-      const std::string what = fmt::format("attention B={} T={} Hq={} Hk={} D={}{}", c.B, c.T, c.Hq,
-                                           c.Hk, c.D, c.packed ? " packed" : "");
-      Tensor q = rounded(randn({c.B, c.T, c.Hq, c.D}, g), dt);
-      Tensor k = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
-      Tensor v = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
-      Tensor seg = c.packed ? segments(c.B, c.T) : Tensor();
-      Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32);
-      ops::attention_forward(q, k, v, seg, out, lse);
-
-      Tensor dq_ = gpu(q, dt), dk_ = gpu(k, dt), dv_ = gpu(v, dt);
-      Tensor dseg = c.packed ? gpu(seg) : Tensor();
-      Tensor dout_ = Tensor::empty(q.shape(), dt, Device::cuda(0));
-      Tensor dlse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32, Device::cuda(0));
-      ops::attention_forward(dq_, dk_, dv_, dseg, dout_, dlse);
-      EXPECT_CLOSE(host(dout_), out, dt, what + " out");
-      EXPECT_CLOSE(host(dlse), lse, DType::F32, what + " lse");
-
-      // Backward from the GPU's own saved out/lse, given to both backends.
-      Tensor go = rounded(randn(q.shape(), g), dt);
-      Tensor o_saved = host(dout_), l_saved = host(dlse);
-      Tensor gq = Tensor::empty(q.shape(), DType::F32), gk = Tensor::empty(k.shape(), DType::F32),
-             gv = Tensor::empty(k.shape(), DType::F32);
-      ops::attention_backward(go, q, k, v, seg, o_saved, l_saved, gq, gk, gv);
-      Tensor dgq = Tensor::empty(q.shape(), dt, Device::cuda(0));
-      Tensor dgk = Tensor::empty(k.shape(), dt, Device::cuda(0));
-      Tensor dgv = Tensor::empty(k.shape(), dt, Device::cuda(0));
-      ops::attention_backward(gpu(go, dt), dq_, dk_, dv_, dseg, dout_, dlse, dgq, dgk, dgv);
-      EXPECT_CLOSE(host(dgq), gq, dt, what + " dq");
-      EXPECT_CLOSE(host(dgk), gk, dt, what + " dk");
-      EXPECT_CLOSE(host(dgv), gv, dt, what + " dv");
-    }
+    for (DType dt : kDtypes) check_attention("reference", c, dt, g);
 }
 
-// Running backward twice gives bit-identical dk/dv (no atomics in the kernel).
+// Edge shapes for the tensor-core paths: lengths around the tiles (1, 63, 64, 65, 127, 4097),
+// GQA groups 1/4/8, batch > 1.
+const AttnCase kEdgeCases[] = {
+    {2, 63, 4, 4, 64, false},  {1, 64, 8, 1, 128, false}, {3, 65, 8, 2, 64, false},
+    {2, 127, 4, 1, 128, false}, {1, 200, 8, 8, 128, false}, {1, 4097, 4, 1, 64, false},
+};
+
+TEST(OpHarness, AttentionCudnn) {
+  RIG_REQUIRE_GPU();
+  if (ops::cuda::sdpa_cudnn::runtime_version() < 90000)
+    GTEST_SKIP() << "cuDNN 9 is not available (runtime version "
+                 << ops::cuda::sdpa_cudnn::runtime_version() << ")";
+  std::mt19937 g(10);
+  for (const auto& c : kEdgeCases) check_attention("cudnn", c, DType::BF16, g);
+  // Sequence length 1: forward only (cuDNN has no backward for it; auto falls back).
+  check_attention("cudnn", {2, 1, 4, 2, 64, false}, DType::BF16, g, false);
+  check_attention("auto", {2, 1, 4, 2, 64, false}, DType::BF16, g);
+  EXPECT_NE(ops::cuda::last_attention_impl(true), "cudnn");
+  // Head dims 80 and 96 and the tiny models' 16.
+  check_attention("cudnn", {2, 96, 4, 2, 80, false}, DType::BF16, g);
+  check_attention("cudnn", {1, 130, 6, 3, 96, false}, DType::BF16, g);
+  check_attention("cudnn", {2, 50, 4, 2, 16, false}, DType::BF16, g);
+}
+
+TEST(OpHarness, AttentionFlash) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(11);
+  check_attention("flash", {2, 1, 4, 2, 64, false}, DType::BF16, g);
+  for (const auto& c : kEdgeCases) check_attention("flash", c, DType::BF16, g);
+  // Packed segments (lengths 1 to 64, crossing tile boundaries) and every head dim.
+  const AttnCase packed[] = {
+      {2, 111, 6, 2, 64, true}, {1, 300, 4, 4, 128, true}, {3, 97, 8, 1, 80, true},
+      {2, 129, 4, 2, 96, true}, {1, 1000, 8, 2, 128, true},
+  };
+  for (const auto& c : packed) check_attention("flash", c, DType::BF16, g);
+}
+
+// What "auto" picks: cuDNN for plain causal bf16, the flash kernel for packed segments, the
+// reference kernel for float32.
+TEST(OpHarness, AttentionAutoPicksTheFastestThatApplies) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(12);
+  check_attention("auto", {1, 128, 4, 2, 64, true}, DType::BF16, g);
+  EXPECT_EQ(ops::cuda::last_attention_impl(false), "flash");
+  check_attention("auto", {1, 128, 4, 2, 64, false}, DType::F32, g);
+  EXPECT_EQ(ops::cuda::last_attention_impl(false), "reference");
+  check_attention("auto", {1, 128, 4, 2, 64, false}, DType::BF16, g);
+  if (ops::cuda::sdpa_cudnn::runtime_version() >= 90000)
+    EXPECT_EQ(ops::cuda::last_attention_impl(false), "cudnn");
+  ImplScope scope("cudnn");
+  Tensor q = Tensor::zeros({1, 8, 2, 64}, DType::BF16, Device::cuda(0));
+  Tensor o = Tensor::zeros({1, 8, 2, 64}, DType::BF16, Device::cuda(0));
+  Tensor l = Tensor::zeros({1, 2, 8}, DType::F32, Device::cuda(0));
+  Tensor seg = Tensor::zeros({1, 8}, DType::I64, Device::cuda(0));
+  EXPECT_THROW(ops::attention_forward(q, q, q, seg, o, l), Error);  // forced cuDNN, packed
+}
+
+// Backward twice gives bit-identical gradients: the flash and reference kernels always, cuDNN
+// in deterministic mode.
 TEST(OpHarness, AttentionBackwardIsDeterministic) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(9);
-  const Shape qs{2, 111, 6, 64}, ks{2, 111, 2, 64};
+  const Shape qs{2, 1000, 8, 64}, ks{2, 1000, 2, 64};
   Tensor q = gpu(randn(qs, g), DType::BF16), k = gpu(randn(ks, g), DType::BF16),
          v = gpu(randn(ks, g), DType::BF16), go = gpu(randn(qs, g), DType::BF16);
-  Tensor out = Tensor::empty(qs, DType::BF16, Device::cuda(0));
-  Tensor lse = Tensor::empty({2, 6, 111}, DType::F32, Device::cuda(0));
-  ops::attention_forward(q, k, v, Tensor(), out, lse);
-  std::vector<Tensor> res;
-  for (int rep = 0; rep < 2; ++rep) {
-    Tensor dq = Tensor::empty(qs, DType::BF16, Device::cuda(0));
-    Tensor dk = Tensor::empty(ks, DType::BF16, Device::cuda(0));
-    Tensor dv = Tensor::empty(ks, DType::BF16, Device::cuda(0));
-    ops::attention_backward(go, q, k, v, Tensor(), out, lse, dq, dk, dv);
-    res.push_back(host(dk));
-    res.push_back(host(dv));
+  const Tensor seg = gpu(segments(2, 1000));
+  ops::set_deterministic(true);
+  for (std::string impl : {"reference", "flash", "cudnn"}) {
+    if (impl == "cudnn" && ops::cuda::sdpa_cudnn::runtime_version() < 90000) continue;
+    for (bool packed : {false, true}) {
+      if (packed && impl == "cudnn") continue;
+      ImplScope scope(impl);
+      const Tensor s = packed ? seg : Tensor();
+      Tensor out = Tensor::empty(qs, DType::BF16, Device::cuda(0));
+      Tensor lse = Tensor::empty({2, 8, 1000}, DType::F32, Device::cuda(0));
+      ops::attention_forward(q, k, v, s, out, lse);
+      std::vector<Tensor> res;
+      for (int rep = 0; rep < 2; ++rep) {
+        Tensor dq = Tensor::empty(qs, DType::BF16, Device::cuda(0));
+        Tensor dk = Tensor::empty(ks, DType::BF16, Device::cuda(0));
+        Tensor dv = Tensor::empty(ks, DType::BF16, Device::cuda(0));
+        ops::attention_backward(go, q, k, v, s, out, lse, dq, dk, dv);
+        for (Tensor* t : {&dq, &dk, &dv}) res.push_back(host(*t));
+      }
+      for (int i = 0; i < 3; ++i)
+        EXPECT_EQ(nerr(res[size_t(i)], res[size_t(i + 3)]), 0.0) << impl << (packed ? " packed" : "") << " grad " << i;
+    }
   }
-  EXPECT_EQ(nerr(res[0], res[2]), 0.0);
-  EXPECT_EQ(nerr(res[1], res[3]), 0.0);
+  ops::set_deterministic(false);
 }
+
+#endif  // RIG_WITH_CUDA
 
 // ---- swiglu --------------------------------------------------------------------------------
 

@@ -14,6 +14,10 @@
 #include "rig/io/safetensors.h"
 #include "rig/model/lora.h"
 #include "rig/model/llama.h"
+#ifdef RIG_WITH_CUDA
+#include "rig/ops/cuda/cuda_ops.h"
+#include "rig/ops/cuda/sdpa_cudnn.h"
+#endif
 #include "rig/optim/adamw.h"
 #include "rig/train/metrics.h"
 #include "rig/train/trainer.h"
@@ -110,15 +114,25 @@ TEST(GpuTraining, LossCurveFollowsTransformers) {
   std::printf("GPU fp32 loss curve: worst relative difference %.2e\n", replay_loss_curve(*m, 1e-3));
 }
 
+#ifdef RIG_WITH_CUDA
 // bf16 weights and activations, fp32 master weights and optimizer state: the curve stays within a
-// few percent of transformers' float32 one at every step.
+// few percent of transformers' float32 one at every step, with each attention implementation.
 TEST(GpuTraining, Bf16LossCurveFollowsTransformers) {
   REQUIRE_GPU();
-  auto m = LlamaModel::load(data("hf/tiny-llama3/model"));
-  m->set_compute_dtype(DType::BF16);
-  m->to_device(Device::cuda(0));
-  std::printf("GPU bf16 loss curve: worst relative difference %.2e\n", replay_loss_curve(*m, 3e-2));
+  for (std::string impl : {"cudnn", "flash", "reference"}) {
+    if (impl == "cudnn" && ops::cuda::sdpa_cudnn::runtime_version() < 90000) continue;
+    ops::cuda::set_attention_impl(impl);
+    auto m = LlamaModel::load(data("hf/tiny-llama3/model"));
+    m->set_compute_dtype(DType::BF16);
+    m->to_device(Device::cuda(0));
+    std::printf("GPU bf16 loss curve, %s attention: worst relative difference %.2e\n", impl.c_str(),
+                replay_loss_curve(*m, 3e-2));
+    EXPECT_EQ(ops::cuda::last_attention_impl(false), impl);
+    EXPECT_EQ(ops::cuda::last_attention_impl(true), impl);
+  }
+  ops::cuda::set_attention_impl("auto");
 }
+#endif  // RIG_WITH_CUDA
 
 // ---- bf16 mixed precision against the float32 references --------------------------------------
 // bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3); a few layers of products and

@@ -522,6 +522,37 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
   ops::add_(dh, dtmp);
 }
 
+namespace {
+// Segment ids as the attention kernels want them: each row's runs numbered 0, 1, 2, ... (the
+// packer writes 1, 2, ... and 0 for trailing padding), so they never decrease along a row and
+// the kernels can skip whole tiles before a segment's start; or no tensor at all when every row is
+// one run, which is plain causal attention (the case cuDNN's fused kernel runs). Ids that come
+// back after another run are kept as they are: renumbering would split their segment.
+Tensor attention_segments(const Tensor& seg) {
+  if (!seg.defined()) return seg;
+  const int64_t B = seg.dim(0), T = seg.dim(1);
+  const int64_t* s = seg.data<int64_t>();
+  Tensor runs = Tensor::empty(seg.shape(), DType::I64, Device::cpu(), "segment runs");
+  int64_t* r = runs.data<int64_t>();
+  bool single = true;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> seen;
+    int64_t run = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      if (t > 0 && s[i] != s[i - 1]) {
+        if (std::find(seen.begin(), seen.end(), s[i]) != seen.end()) return seg;
+        ++run;
+      }
+      if (t == 0 || s[i] != s[i - 1]) seen.push_back(s[i]);
+      r[i] = run;
+    }
+    single = single && run == 0;
+  }
+  return single ? Tensor() : runs;
+}
+}  // namespace
+
 StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   const Tensor& ids = batch.input_ids;
   if (act_ != DType::F32 && !dev_.is_cuda())
@@ -547,7 +578,8 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   // The batch arrives on the host; the layers need ids and segments where they run.
   const TokenBatch& host = batch;
   TokenBatch dbatch{ids.to(dev_, "input ids"), host.labels, {},
-                    host.segment_ids.defined() ? host.segment_ids.to(dev_, "segments") : Tensor()};
+                    attention_segments(host.segment_ids)};
+  if (dbatch.segment_ids.defined()) dbatch.segment_ids = dbatch.segment_ids.to(dev_, "segments");
   const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
   const bool ckpt = opt.checkpointing == Checkpointing::Full;
 

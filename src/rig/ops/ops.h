@@ -6,6 +6,10 @@
 
 namespace rig::ops {
 
+// Process-wide: prefer bitwise-repeatable GPU kernels where a faster nondeterministic one exists
+// (the training config's `deterministic`). The CPU backend is deterministic regardless.
+void set_deterministic(bool on);
+
 // C = alpha * op(A) @ op(B) + beta * C, 2-D tensors; op(X) = X^T when the flag is set.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
           float beta);

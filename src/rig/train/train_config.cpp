@@ -623,6 +623,7 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
     if (s < 0) bad_input("{}: 'seed' must be 0 or more, found {}", where(ctx, *v), s);
     c.seed = uint64_t(s);
   }
+  if (auto v = r.take("deterministic")) c.deterministic = as_bool(ctx, *v);
   if (auto v = r.take("output_dir")) c.output_dir = as_string(ctx, *v);
   if (auto v = r.take("resume")) {
     assign(ctx, "resume", *v, [&] {
@@ -839,6 +840,7 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
   j["save"] = {{"every", save.every}, {"keep_last", save.keep_last}};
   j["thermal"] = {{"pause_above_c", thermal.pause_above_c}, {"resume_below_c", thermal.resume_below_c}};
   j["seed"] = seed;
+  j["deterministic"] = deterministic;
   j["device"] = device;
   j["max_memory"] = max_memory ? ojson(max_memory) : ojson(nullptr);
   j["output_dir"] = output_dir;

@@ -103,6 +103,7 @@ struct TrainConfig {
   SaveSettings save;
   ThermalSettings thermal;
   uint64_t seed = 42;
+  bool deterministic = false;  // bitwise-repeatable GPU kernels where faster ones are not
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
   uint64_t max_memory = 0;      // bytes per device; 0: no budget
   std::string output_dir = "runs/run";

@@ -16,6 +16,7 @@
 #include "rig/hw/telemetry.h"
 #include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
+#include "rig/ops/ops.h"
 #include "rig/optim/adamw.h"
 #include "rig/train/checkpoint.h"
 #include "rig/train/metrics.h"
@@ -357,6 +358,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   auto model = build_model(cfg);
   // Frozen matrices turn bf16 on the host, so the device never holds their float32 copies.
   model->set_compute_dtype(precision == "bf16" ? DType::BF16 : DType::F32);
+  ops::set_deterministic(cfg.deterministic);
   model->to_device(dev);
   if (tok.vocab_size() > model->config().vocab_size)
     bad_input("{}: the tokenizer has {} tokens but the model's vocabulary is {}", cfg.source,

@@ -16,6 +16,8 @@
 // deterministic and independent of the launch shape, but it differs from the CPU backend's
 // sequential mt19937 mask for the same seed.
 #pragma once
+#include <string>
+
 #include "rig/ops/ops.h"
 
 namespace rig::ops::cuda {
@@ -23,6 +25,16 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias);
 // How many gemm_bias calls found no bias-epilogue algorithm and ran gemm + add_bias instead.
 int64_t gemm_bias_fallbacks();
+// Attention implementation: "auto" (default, or the RIG_ATTENTION environment variable): cuDNN's
+// fused SDPA where it supports the call (bf16, no packed segments), else rig's tensor-core flash
+// kernel (bf16, head_dim 64/80/96/128, packed segments), else the fp32 reference kernel.
+// "cudnn", "flash" or "reference" force one (an error where it cannot run).
+void set_attention_impl(const std::string& impl);
+const std::string& attention_impl();
+// The implementation the last attention_forward (backward = false) or _backward call ran.
+const std::string& last_attention_impl(bool backward);
+// Bitwise-repeatable kernels where a faster nondeterministic one exists (cuDNN's backward).
+void set_deterministic(bool on);
 void add_bias(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);

@@ -1,0 +1,79 @@
+"""PyTorch's scaled_dot_product_attention on rig bench attention's shape, one JSON line per backend.
+
+usage: python3 bench/torch_sdpa.py [--batch 2 --seq 4096 --heads 32 --kv-heads 8 --head-dim 128]
+Backends forced with torch.nn.attention.sdpa_kernel: cuDNN's fused attention and FlashAttention-2.
+Causal, bf16, [B,H,T,D]; K/V carry kv-heads and enable_gqa=True where the backend takes it, else
+they are expanded to the query heads (the expansion is not timed). FLOPs count visible pairs
+only: forward 4*B*H*D*T(T+1)/2, backward 2.5x forward.
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def median_ms(fn, warmup=3, iters=20):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args()
+    B, T, H, Hk, D = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    mk = lambda h: torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, dout = mk(H), mk(Hk), mk(Hk), mk(H)
+    fwd_flops = 4.0 * B * H * D * T * (T + 1) / 2
+    for name, backend in [("torch-cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("torch-flash2", SDPBackend.FLASH_ATTENTION)]:
+        row = {"impl": name, "B": B, "T": T, "Hq": H, "Hk": Hk, "D": D, "causal": True,
+               "packed_avg": 0, "torch": torch.__version__}
+        try:
+            with sdpa_kernel(backend):
+                for gqa in (True, False):
+                    kk = k if gqa else k.repeat_interleave(H // Hk, dim=1)
+                    vv = v if gqa else v.repeat_interleave(H // Hk, dim=1)
+                    qq, kk, vv = (t.detach().requires_grad_() for t in (q, kk, vv))
+                    try:
+                        run = lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                                     enable_gqa=gqa)
+                        out = run()
+                        break
+                    except RuntimeError:
+                        if not gqa:
+                            raise
+                row["gqa_native"] = gqa
+                with torch.no_grad():
+                    row["fwd_ms"] = median_ms(run, iters=a.iters)
+                out = run()
+                row["bwd_ms"] = median_ms(
+                    lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True),
+                    iters=a.iters)
+                row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+                row["bwd_tflops"] = 2.5 * fwd_flops / row["bwd_ms"] / 1e9
+        except RuntimeError as e:
+            row["skipped"] = str(e).splitlines()[0][:200]
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

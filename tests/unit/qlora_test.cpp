@@ -211,3 +211,91 @@ TEST(QLoRA, QuantizeWhileLoadingReproducesTheBitsandbytesFolder) {
     for (const auto& [k, t] : quant::state_dict(key, *back->find_param(key)->quant))
       EXPECT_TRUE(same_bytes(t, bnb.get(k))) << k;
 }
+
+namespace {
+
+// Byte-level tokenizer without added tokens (256 ids, the tiny model's vocabulary) and a small
+// text corpus to learn.
+std::pair<std::string, std::string> tiny_data(const std::string& dir) {
+  json tok = json::parse(read_file(test::data_path("data/byte_tokenizer.json")));
+  tok["added_tokens"] = json::array();
+  write_file_atomic(dir + "/tokenizer.json", tok.dump());
+  std::string lines;
+  const char* words[] = {"alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"};
+  for (int i = 0; i < 64; ++i)
+    lines += json{{"text", fmt::format("{} {} {} {}", words[i % 8], words[(i + 1) % 8],
+                                       words[(i + 3) % 8], words[(i + 5) % 8])}}
+                 .dump() +
+             "\n";
+  write_file_atomic(dir + "/data.jsonl", lines);
+  return {dir + "/tokenizer.json", dir + "/data.jsonl"};
+}
+
+TrainConfig tiny_config(const std::string& model, const std::string& method_lines,
+                        const std::string& dir, const std::string& out) {
+  auto [tok, data] = tiny_data(dir);
+  std::string yaml =
+      "model: " + model + "\n" + method_lines +
+      "lora: {r: 4, alpha: 8, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj, "
+      "gate_proj, up_proj, down_proj]}\n"
+      "tokenizer: " +
+      tok + "\n" + "datasets:\n  - {path: " + data +
+      ", format: text}\n"
+      "sequence_len: 32\nmicro_batch_size: 4\nmax_steps: 24\n"
+      "optimizer: {name: adamw, lr: 2.0e-2}\n"
+      "schedule: {name: constant, warmup_steps: 0}\n"
+      "eval: {every: 0, split: 0.0}\nsave: {every: 0, keep_last: 1}\n"
+      "device: cpu\nseed: 3\noutput_dir: " +
+      out + "\n";
+  return parse_train_config(yaml, dir + "/config.yaml");
+}
+
+std::vector<double> losses(const std::string& run) {
+  std::vector<double> out;
+  for (const auto& row : read_metrics(run + "/metrics.jsonl").rows)
+    if (row.contains("loss") && !row.contains("eval_loss")) out.push_back(row["loss"]);
+  return out;
+}
+
+}  // namespace
+
+TEST(QLoRATrain, LossFallsAndTheAdapterIsLoraOnTheDequantizedBase) {
+  const std::string dir = test::temp_dir("qlora_train");
+  TrainHooks quiet;
+  quiet.quiet = true;
+  // QLoRA on transformers' 4-bit folder.
+  auto rq = train(tiny_config(kBnb, "method: qlora\n", dir, dir + "/qlora"), quiet);
+  EXPECT_EQ(rq.steps, 24);
+  const auto lq = losses(dir + "/qlora");
+  ASSERT_EQ(lq.size(), 24u);
+  EXPECT_LT((lq[21] + lq[22] + lq[23]) / 3, 0.92 * lq[0]) << lq[0] << " -> " << lq[23];
+  ASSERT_TRUE(fs::exists(dir + "/qlora/final/adapter_config.json"));
+  // LoRA on a float32 folder of the dequantized weights: the same run, bit for bit.
+  LoadOptions deq;
+  deq.dequantize = true;
+  LlamaModel::load(kBnb, deq)->save_pretrained(dir + "/dequantized", DType::F32);
+  train(tiny_config(dir + "/dequantized", "method: lora\n", dir, dir + "/lora"), quiet);
+  EXPECT_EQ(losses(dir + "/lora"), lq);
+  auto a = SafeTensorsFile::open(dir + "/qlora/final/adapter_model.safetensors");
+  auto b = SafeTensorsFile::open(dir + "/lora/final/adapter_model.safetensors");
+  ASSERT_EQ(a.tensors().size(), 28u);
+  for (const auto& t : a.tensors()) EXPECT_TRUE(same_bytes(a.get(t.name), b.get(t.name))) << t.name;
+  // axolotl's spelling on the bf16 folder: quantized while loading, the same 4-bit weights, the
+  // same adapter.
+  train(tiny_config(kBf16, "adapter: lora\nload_in_4bit: true\n", dir, dir + "/axolotl"), quiet);
+  EXPECT_EQ(losses(dir + "/axolotl"), lq);
+  auto c = SafeTensorsFile::open(dir + "/axolotl/final/adapter_model.safetensors");
+  for (const auto& t : a.tensors()) EXPECT_TRUE(same_bytes(a.get(t.name), c.get(t.name))) << t.name;
+}
+
+TEST(QLoRATrain, MethodsAndStrategiesThatCannotTrain4BitWeightsSaySo) {
+  const std::string dir = test::temp_dir("qlora_refuse");
+  TrainHooks quiet;
+  quiet.quiet = true;
+  try {
+    train(tiny_config(kBnb, "method: lora\n", dir, dir + "/run"), quiet);
+    ADD_FAILURE() << "LoRA on a 4-bit folder trained";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("method: qlora"), std::string::npos) << e.what();
+  }
+}

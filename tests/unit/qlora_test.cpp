@@ -212,6 +212,207 @@ TEST(QLoRA, QuantizeWhileLoadingReproducesTheBitsandbytesFolder) {
       EXPECT_TRUE(same_bytes(t, bnb.get(k))) << k;
 }
 
+TEST(QuantizeCli, WritesTransformersFolderByteForByte) {
+  const std::string dir = test::temp_dir("quantize_cli");
+  auto r = test::run_rig("quantize --model " + kBf16 + " --out " + dir + "/q");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("quantized 14 linear weights"), std::string::npos) << r.out;
+  EXPECT_EQ(file_bytes(dir + "/q/model.safetensors"), file_bytes(kBnb + "/model.safetensors"));
+  EXPECT_EQ(json::parse(read_file(dir + "/q/config.json")),
+            json::parse(read_file(kBnb + "/config.json")));
+  EXPECT_EQ(file_bytes(dir + "/q/generation_config.json"),
+            file_bytes(kBf16 + "/generation_config.json"));
+  // In shards of ~40 kB: an index and several files, loading to the same model.
+  r = test::run_rig("quantize --model " + kBf16 + " --out " + dir + "/s --max-shard-size 0.00004");
+  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_TRUE(fs::exists(dir + "/s/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir + "/s/model.safetensors"));
+  auto whole = LlamaModel::load(kBnb), sharded = LlamaModel::load(dir + "/s");
+  for (const auto& key : linear_keys()) {
+    auto a = quant::state_dict(key, *whole->find_param(key)->quant);
+    auto b = quant::state_dict(key, *sharded->find_param(key)->quant);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(same_bytes(a[i].second, b[i].second)) << a[i].first;
+  }
+  EXPECT_TRUE(same_bytes(logits_of(*whole, ref_batch()), logits_of(*sharded, ref_batch())));
+  // A 4-bit folder is not quantized twice.
+  r = test::run_rig("quantize --model " + kBnb + " --out " + dir + "/twice");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("quantized already"), std::string::npos) << r.out;
+}
+
+TEST(QLoRACli, InspectShowsTheQuantization) {
+  auto r = test::run_rig("inspect " + kBnb + " --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  json j = json::parse(r.out);
+  ASSERT_TRUE(j.contains("quantization")) << r.out;
+  const json& q = j["quantization"];
+  EXPECT_EQ(q["method"], "bitsandbytes");
+  EXPECT_EQ(q["quant_type"], "nf4");
+  EXPECT_EQ(q["blocksize"], 64);
+  EXPECT_EQ(q["double_quant"], true);
+  EXPECT_EQ(q["compute_dtype"], "bfloat16");
+  EXPECT_EQ(q["quantized_tensors"], 14);
+  // 2 layers x (q 64x64 + k, v 32x64 + o 64x64 + gate, up, down 128x64).
+  const int64_t linear = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192);
+  EXPECT_EQ(q["quantized_parameters"], linear);
+  EXPECT_EQ(j["parameters"], linear + 2 * 256 * 64 + 5 * 64);
+  // Packed nibbles, one byte per 64 weights, the maps and the JSON of each weight.
+  size_t bytes = 0;
+  auto w = WeightFiles::open_dir(kBnb);
+  for (const auto& name : w.names())
+    if (name.find("_proj.weight") != std::string::npos)
+      bytes += w.info(name).end - w.info(name).begin;
+  EXPECT_EQ(q["quantized_bytes"], bytes);
+  r = test::run_rig("inspect " + kBnb);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(
+      r.out.find("quantization: bitsandbytes nf4, blocks of 64, double quantization; 14 weights"),
+      std::string::npos)
+      << r.out;
+}
+
+TEST(QLoRACli, DebugForwardBackwardRunsOnA4BitFolder) {
+  const std::string dir = test::temp_dir("qlora_fb");
+  TokenBatch b = ref_batch();
+  save_safetensors(dir + "/batch.safetensors", {{"input_ids", b.input_ids}, {"labels", b.labels}});
+  // Without an adapter: the fixture's logits.
+  auto r = test::run_rig("debug forward-backward --model " + kBnb + " --batch " + dir +
+                         "/batch.safetensors --out " + dir + "/out.safetensors");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto out = SafeTensorsFile::open(dir + "/out.safetensors");
+  EXPECT_LT(max_abs_diff(out.get_f32("logits").reshape({2, 16, 256}),
+                         reference().get_f32("logits_dequant_bf16_fwd_f32")),
+            2e-5);
+  // With an adapter: the LoRA gradients, as the library computes them in-process.
+  auto m = LlamaModel::load(kBnb);
+  add_test_lora(*m);
+  m->save_adapter(dir + "/adapter");
+  r = test::run_rig("debug forward-backward --model " + kBnb + " --adapter " + dir +
+                    "/adapter --batch " + dir + "/batch.safetensors --out " + dir +
+                    "/out2.safetensors");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto out2 = SafeTensorsFile::open(dir + "/out2.safetensors");
+  auto again = LlamaModel::load(kBnb);
+  again->load_adapter(dir + "/adapter");
+  again->zero_grad();
+  again->step(b, StepOptions{});
+  int lora = 0;
+  for (auto& p : again->params()) {
+    if (!p.grad.defined()) continue;
+    ASSERT_TRUE(out2.has("grad." + p.name)) << p.name;
+    EXPECT_TRUE(same_bytes(out2.get("grad." + p.name), p.grad)) << p.name;
+    lora += p.name.find(".lora_") != std::string::npos;
+  }
+  EXPECT_EQ(lora, 28);
+}
+
+TEST(QLoRACli, MergeOntoA4BitBaseDequantizesAndWritesBf16) {
+  const std::string dir = test::temp_dir("qlora_merge");
+  auto m = LlamaModel::load(kBnb);
+  add_test_lora(*m);
+  m->save_adapter(dir + "/adapter");
+  Tensor want = logits_of(*m, ref_batch());
+  auto r = test::run_rig("merge --model " + kBnb + " --adapter " + dir + "/adapter --out " + dir +
+                         "/merged");
+  ASSERT_EQ(r.code, 0) << r.out;
+  json cfg = json::parse(read_file(dir + "/merged/config.json"));
+  EXPECT_FALSE(cfg.contains("quantization_config"));
+  EXPECT_EQ(cfg["torch_dtype"], "bfloat16");
+  auto w = WeightFiles::open_dir(dir + "/merged");
+  for (const auto& name : w.names()) {
+    EXPECT_EQ(w.info(name).dtype, DType::BF16) << name;
+    EXPECT_EQ(name.find("absmax"), std::string::npos) << name;
+  }
+  auto merged = LlamaModel::load(dir + "/merged");
+  EXPECT_FALSE(merged->is_quantized());
+  // bf16 rounding of the merged weights is the only difference.
+  EXPECT_LT(rel_err(logits_of(*merged, ref_batch()), want), 1e-2);
+  r = test::run_rig("merge --model " + kBnb + " --adapter " + dir + "/adapter --out " + dir +
+                    "/merged32 --dtype f32");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto m32 = LlamaModel::load(dir + "/merged32");
+  EXPECT_LT(rel_err(logits_of(*m32, ref_batch()), want), 1e-5);
+}
+
+namespace {
+
+// A copy of the 4-bit folder with its weights edited.
+std::string edited_folder(
+    const std::string& dir,
+    const std::function<void(std::vector<std::pair<std::string, Tensor>>&)>& edit) {
+  fs::create_directories(dir);
+  for (const char* f : {"config.json", "generation_config.json"})
+    fs::copy_file(kBnb + "/" + f, dir + "/" + f, fs::copy_options::overwrite_existing);
+  auto src = SafeTensorsFile::open(kBnb + "/model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> ts;
+  for (const auto& t : src.tensors()) ts.emplace_back(t.name, src.get(t.name).clone());
+  edit(ts);
+  save_safetensors(dir + "/model.safetensors", ts, {{"format", "pt"}});
+  return dir + "/model.safetensors";
+}
+
+std::string load_error(const std::string& dir) {
+  try {
+    LlamaModel::load(dir);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(QLoRACli, BadFoldersAreOneClearError) {
+  const std::string base = test::temp_dir("qlora_bad");
+  const std::string key = "model.layers.1.mlp.up_proj.weight";
+  // A truncated absmax.
+  std::string file = edited_folder(base + "/trunc", [&](auto& ts) {
+    for (auto& [k, t] : ts)
+      if (k == key + ".absmax") t = t.slice_rows(0, 100).clone();
+  });
+  std::string e = load_error(base + "/trunc");
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("'" + key + ".absmax'"), std::string::npos) << e;
+  // Through the CLI: one line, non-zero exit.
+  auto r = test::run_rig("debug forward-backward --model " + base + "/trunc --batch x --out y");
+  EXPECT_NE(r.code, 0);
+  EXPECT_EQ(r.out.rfind("rig: ", 0), 0u) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  EXPECT_NE(r.out.find(key + ".absmax"), std::string::npos) << r.out;
+  // A quant state whose shape is not the architecture's.
+  file = edited_folder(base + "/shape", [&](auto& ts) {
+    for (auto& [k, t] : ts)
+      if (k == key + ".quant_state.bitsandbytes__nf4") {
+        std::string s(static_cast<const char*>(t.raw()), t.nbytes());
+        s.replace(s.find("[128, 64]"), 9, "[64, 128]");
+        t = Tensor::empty({int64_t(s.size())}, DType::U8);
+        std::memcpy(t.raw(), s.data(), s.size());
+      }
+  });
+  e = load_error(base + "/shape");
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("[64, 128]"), std::string::npos) << e;
+  EXPECT_NE(e.find(key), std::string::npos) << e;
+  // A missing companion.
+  file = edited_folder(base + "/missing", [&](auto& ts) {
+    std::erase_if(ts, [&](const auto& kv) { return kv.first == key + ".nested_absmax"; });
+  });
+  e = load_error(base + "/missing");
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("'" + key + ".nested_absmax' is missing"), std::string::npos) << e;
+  // Packed bytes without their quant state.
+  file = edited_folder(base + "/nostate", [&](auto& ts) {
+    std::erase_if(
+        ts, [&](const auto& kv) { return kv.first == key + ".quant_state.bitsandbytes__nf4"; });
+  });
+  e = load_error(base + "/nostate");
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("'" + key + "' is U8"), std::string::npos) << e;
+  EXPECT_NE(e.find("quant_state.bitsandbytes__nf4"), std::string::npos) << e;
+}
+
 namespace {
 
 // Byte-level tokenizer without added tokens (256 ids, the tiny model's vocabulary) and a small

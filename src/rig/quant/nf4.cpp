@@ -7,6 +7,10 @@
 
 #include "rig/io/safetensors.h"
 
+#ifdef RIG_WITH_CUDA
+#include "rig/ops/cuda/cuda_ops.h"
+#endif
+
 // Every float operation here must round on its own as torch's do: a fused multiply-add of
 // `nested_map[q] * nested_absmax + offset` would differ from bitsandbytes in the last bit.
 // CMakeLists.txt compiles this file with -ffp-contract=off; the one intended FMA is explicit.
@@ -408,7 +412,9 @@ void check_out(const QuantizedWeight& q, const Tensor& out) {
 
 void dequantize_4bit(const QuantizedWeight& q, Tensor& out) {
   check_out(q, out);
-  RIG_CHECK(out.device().is_cpu(), "dequantize_4bit runs on the CPU");
+#ifdef RIG_WITH_CUDA
+  if (out.device().is_cuda()) return ops::cuda::dequantize_4bit(q, out);
+#endif
   dequantize_cpu(q, out, true);
 }
 

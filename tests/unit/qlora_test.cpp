@@ -336,6 +336,24 @@ TEST(QLoRACli, MergeOntoA4BitBaseDequantizesAndWritesBf16) {
   EXPECT_LT(rel_err(logits_of(*m32, ref_batch()), want), 1e-5);
 }
 
+TEST(QLoRACli, BenchTrainRunsQlora) {
+  auto r = test::run_rig(
+      "bench train --method qlora --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128 "
+      "--vocab 256 --batch 2 --seq 16 --steps 3 --lora-r 4 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  json j = json::parse(r.out.substr(r.out.find('{')));
+  EXPECT_EQ(j["method"], "qlora");
+  // LoRA r=4 on the seven projections of two layers: r * (in + out) each.
+  EXPECT_EQ(j["trainable_parameters"], 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)));
+  ASSERT_EQ(j["losses"].size(), 4u);
+  for (const auto& l : j["losses"]) EXPECT_TRUE(std::isfinite(l.get<double>()));
+  // The same shape from a 4-bit folder.
+  r = test::run_rig("bench train --method qlora --model " + kBnb +
+                    " --batch 2 --seq 16 --steps 2 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out.substr(r.out.find('{')))["method"], "qlora");
+}
+
 namespace {
 
 // A copy of the 4-bit folder with its weights edited.

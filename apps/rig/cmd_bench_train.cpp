@@ -25,8 +25,11 @@ struct Opts {
 
 int run(const Opts& o) {
   std::unique_ptr<rig::LlamaModel> m;
+  const bool qlora = o.method == "qlora";
   if (!o.model.empty()) {
-    m = rig::LlamaModel::load(o.model);
+    rig::LoadOptions lo;
+    lo.quantize = qlora;  // a bitsandbytes 4-bit folder loads as it is
+    m = rig::LlamaModel::load(o.model, lo);
   } else {
     nlohmann::json j = {{"model_type", "llama"},          {"vocab_size", o.vocab},
                         {"hidden_size", o.hidden},        {"intermediate_size", o.inter},
@@ -44,8 +47,9 @@ int run(const Opts& o) {
     else if (!o.preset.empty())
       rig::bad_input("--preset '{}' is not one of llama3-1b, llama3-8b", o.preset);
     m = rig::LlamaModel::random(rig::ModelConfig::from_json(j, "bench shape"), 1);
+    if (qlora) m->quantize_weights();  // NF4, blocks of 64, double quantization
   }
-  if (o.method == "lora") {
+  if (o.method == "lora" || qlora) {
     rig::LoraConfig lc;
     lc.r = o.lora_r;
     lc.alpha = float(2 * o.lora_r);
@@ -59,7 +63,7 @@ int run(const Opts& o) {
     }
     m->add_lora(lc, 1);
   } else if (o.method != "full") {
-    rig::bad_input("--method '{}' is not one of full, lora", o.method);
+    rig::bad_input("--method '{}' is not one of full, lora, qlora", o.method);
   }
   const rig::Device dev = rig::Device::parse(o.device);
   const std::string precision = o.precision == "auto" ? (dev.is_cuda() ? "bf16" : "fp32") : o.precision;
@@ -164,7 +168,8 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
   app.add_option("--batch", o->batch, "micro-batch")->capture_default_str();
   app.add_option("--seq", o->seq, "sequence length")->capture_default_str();
   app.add_option("--steps", o->steps, "timed steps")->capture_default_str();
-  app.add_option("--method", o->method, "full or lora")->capture_default_str();
+  app.add_option("--method", o->method, "full, lora or qlora (LoRA on NF4 weights)")
+      ->capture_default_str();
   app.add_option("--lora-r", o->lora_r, "LoRA rank")->capture_default_str();
   app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
   app.add_flag("--checkpointing", o->ckpt, "recompute each layer's forward in backward");

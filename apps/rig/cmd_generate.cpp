@@ -85,16 +85,21 @@ int run_eval(const EvalOpts& o) {
 int run_merge(const std::string& model, const std::string& adapter, const std::string& out,
               const std::string& dtype) {
   auto m = load_model(model, adapter);
+  // A 4-bit (QLoRA) base is dequantized before the merge and written in bf16 unless asked.
+  const bool four_bit = m->is_quantized();
   m->merge_lora();
   rig::DType dt = rig::DType::F32;
-  if (dtype == "bf16") dt = rig::DType::BF16;
+  if (dtype == "bf16" || (dtype == "auto" && four_bit))
+    dt = rig::DType::BF16;
   else if (dtype == "f16") dt = rig::DType::F16;
-  else if (dtype != "f32") rig::bad_input("--dtype '{}' is not one of f32, bf16, f16", dtype);
+  else if (dtype != "f32" && dtype != "auto")
+    rig::bad_input("--dtype '{}' is not one of auto, f32, bf16, f16", dtype);
   m->save_pretrained(out, dt);
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
     if (fs::exists(fs::path(model) / f))
       fs::copy_file(fs::path(model) / f, fs::path(out) / f, fs::copy_options::overwrite_existing);
-  fmt::print("merged {} into {} -> {}\n", adapter, model, out);
+  fmt::print("merged {} into {}{} -> {} ({})\n", adapter, model, four_bit ? " (dequantized)" : "",
+             out, rig::dtype_name(dt));
   return 0;
 }
 
@@ -125,14 +130,20 @@ rig::cli::Registrar ev("eval", "Loss and perplexity of a model (and adapter) on 
   return [o] { return run_eval(*o); };
 });
 
-rig::cli::Registrar mg("merge", "Fold a LoRA adapter into its base model and write a Hugging Face folder", [](CLI::App& app) {
-  struct O { std::string model, adapter, out, dtype = "f32"; };
-  auto o = std::make_shared<O>();
-  app.add_option("--model", o->model, "base model folder")->required();
-  app.add_option("--adapter", o->adapter, "PEFT LoRA adapter folder")->required();
-  app.add_option("--out", o->out, "output model folder")->required();
-  app.add_option("--dtype", o->dtype, "f32, bf16 or f16")->capture_default_str();
-  return [o] { return run_merge(o->model, o->adapter, o->out, o->dtype); };
-});
+rig::cli::Registrar mg(
+    "merge", "Fold a LoRA adapter into its base model and write a Hugging Face folder",
+    [](CLI::App& app) {
+      struct O {
+        std::string model, adapter, out, dtype = "auto";
+      };
+      auto o = std::make_shared<O>();
+      app.add_option("--model", o->model, "base model folder")->required();
+      app.add_option("--adapter", o->adapter, "PEFT LoRA adapter folder")->required();
+      app.add_option("--out", o->out, "output model folder")->required();
+      app.add_option("--dtype", o->dtype,
+                     "f32, bf16 or f16; auto: bf16 for a 4-bit (QLoRA) base, else f32")
+          ->capture_default_str();
+      return [o] { return run_merge(o->model, o->adapter, o->out, o->dtype); };
+    });
 
 }  // namespace

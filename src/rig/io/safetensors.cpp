@@ -161,21 +161,72 @@ Tensor SafeTensorsFile::get_f32(const std::string& name) const {
   return t.dtype() == DType::F32 ? t : t.to_dtype(DType::F32);
 }
 
+namespace {
+// The safetensors library's Dtype order (BOOL < U8 < I8 < I16 < F16 < BF16 < I32 < F32 < F64 <
+// I64); files list the widest first.
+int safetensors_rank(DType t) {
+  switch (t) {
+    case DType::BOOL:
+      return 0;
+    case DType::U8:
+      return 1;
+    case DType::I8:
+      return 2;
+    case DType::I16:
+      return 3;
+    case DType::F16:
+      return 4;
+    case DType::BF16:
+      return 5;
+    case DType::I32:
+      return 6;
+    case DType::F32:
+      return 7;
+    case DType::F64:
+      return 8;
+    case DType::I64:
+      return 9;
+    default:
+      return -1;
+  }
+}
+}  // namespace
+
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
-  json h = json::object();
-  if (!metadata.empty()) h["__metadata__"] = metadata;
+                      const std::map<std::string, std::string>& metadata, bool hf_order) {
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (hf_order)
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const int ra = safetensors_rank(tensors[a].second.dtype()),
+                rb = safetensors_rank(tensors[b].second.dtype());
+      return ra != rb ? ra > rb : tensors[a].first < tensors[b].first;
+    });
+  // The header: keys sorted by name, or (hf_order) __metadata__ first, then data order.
+  json sorted = json::object();
+  nlohmann::ordered_json ordered = nlohmann::ordered_json::object();
+  if (!metadata.empty() && hf_order) ordered["__metadata__"] = metadata;
+  if (!metadata.empty() && !hf_order) sorted["__metadata__"] = metadata;
   size_t off = 0;
-  for (const auto& [name, t] : tensors) {
+  for (size_t i : order) {
+    const auto& [name, t] = tensors[i];
     RIG_CHECK(name != "__metadata__", "{}: reserved tensor name", path);
-    RIG_CHECK(!h.contains(name), "{}: tensor '{}' written twice", path, name);
+    RIG_CHECK(!sorted.contains(name) && !ordered.contains(name), "{}: tensor '{}' written twice",
+              path, name);
     size_t n = t.nbytes();
-    h[name] = {{"dtype", std::string(dtype_name(t.dtype()))}, {"shape", t.shape()},
-               {"data_offsets", {off, off + n}}};
+    if (hf_order) {
+      ordered[name] = {{"dtype", std::string(dtype_name(t.dtype()))},
+                       {"shape", t.shape()},
+                       {"data_offsets", {off, off + n}}};
+    } else {
+      sorted[name] = {{"dtype", std::string(dtype_name(t.dtype()))},
+                      {"shape", t.shape()},
+                      {"data_offsets", {off, off + n}}};
+    }
     off += n;
   }
-  std::string hs = h.dump();
+  std::string hs = hf_order ? ordered.dump() : sorted.dump();
   hs.append((8 - hs.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   uint8_t len[8];
   uint64_t n = hs.size();
@@ -183,7 +234,8 @@ void save_safetensors(const std::string& path,
   AtomicFile f(path);
   f.write(len, 8);
   f.write(hs);
-  for (const auto& [name, t] : tensors) {
+  for (size_t i : order) {
+    const auto& [name, t] = tensors[i];
     if (t.device().is_cpu()) {
       f.write(t.raw(), t.nbytes());
     } else {
@@ -247,6 +299,11 @@ const TensorInfo& WeightFiles::info(const std::string& name) const {
   auto it = where_.find(name);
   if (it == where_.end()) bad_input("{}: no tensor named '{}'", where_desc_, name);
   return files_[it->second].info(name);
+}
+
+const std::string& WeightFiles::path_of(const std::string& name) const {
+  auto it = where_.find(name);
+  return it == where_.end() ? where_desc_ : files_[it->second].path();
 }
 
 Tensor WeightFiles::get(const std::string& name) const {

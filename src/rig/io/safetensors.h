@@ -54,9 +54,13 @@ class SafeTensorsFile {
 };
 
 // Writes tensors (CPU or GPU, any dtype) atomically, with data laid out in the given order.
+// hf_order: laid out as the Python safetensors library writes them (by dtype, widest first, then
+// by name; the header lists __metadata__ and then the tensors in data order), so a file
+// transformers would write comes out byte for byte the same.
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {},
+                      bool hf_order = false);
 
 // A model's weights: one model.safetensors or shards listed by model.safetensors.index.json.
 class WeightFiles {
@@ -68,6 +72,8 @@ class WeightFiles {
   const TensorInfo& info(const std::string& name) const;
   Tensor get(const std::string& name) const;
   Tensor get_f32(const std::string& name) const;
+  // The file that holds `name` (for messages); the folder when no file does.
+  const std::string& path_of(const std::string& name) const;
   const std::vector<SafeTensorsFile>& files() const { return files_; }
 
  private:

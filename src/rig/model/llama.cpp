@@ -85,7 +85,12 @@ std::vector<double> rope_inv_freq(const ModelConfig& cfg) {
 }
 
 void LlamaModel::register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand) {
-  params_.push_back(Param{name, std::move(t), Tensor(), Tensor(), true, no_decay, compute_operand});
+  Param p;
+  p.name = name;
+  p.value = std::move(t);
+  p.no_decay = no_decay;
+  p.compute_operand = compute_operand;
+  params_.push_back(std::move(p));
 }
 
 void LlamaModel::bind_outer() {
@@ -127,7 +132,8 @@ void LlamaModel::refresh_compute_weights() {
     if (p.compute.defined()) ops::cast(p.value, p.compute);
 }
 
-void LlamaModel::build(const ModelConfig& cfg) {
+void LlamaModel::build(const ModelConfig& cfg,
+                       const std::function<bool(const std::string&)>& four_bit) {
   cfg_ = cfg;
   const int64_t h = cfg.hidden_size, f = cfg.intermediate_size;
   static const char* names[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -145,7 +151,16 @@ void LlamaModel::build(const ModelConfig& cfg) {
       Linear& lin = L->proj[p];
       lin.module = pre + names[p];
       lin.w = int(params_.size());
-      register_param(lin.module + ".weight", fresh({out[p], in[p]}, names[p]), false, true);
+      const std::string wname = lin.module + ".weight";
+      if (four_bit && four_bit(wname)) {
+        register_param(wname, Tensor(), false, false);
+        Param& qp = params_.back();
+        qp.trainable = false;
+        qp.quant = std::make_shared<quant::QuantizedWeight>();
+        qp.quant->shape = {out[p], in[p]};
+      } else {
+        register_param(wname, fresh({out[p], in[p]}, names[p]), false, true);
+      }
       if (bias[p]) {
         lin.b = int(params_.size());
         register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, true);
@@ -165,8 +180,10 @@ void LlamaModel::build(const ModelConfig& cfg) {
 
 void LlamaModel::to_device(Device dev) {
   if (dev == dev_) return;
+  qbuf_ = qview_ = Tensor();
   for (auto& p : params_) {
-    p.value = p.value.to(dev, "parameter");
+    if (p.quant) *p.quant = p.quant->to(dev);
+    if (p.value.defined()) p.value = p.value.to(dev, "parameter");
     if (p.compute.defined()) p.compute = p.compute.to(dev, "bf16 weight");
     if (p.grad.defined()) p.grad = p.grad.to(dev, "gradient");
   }
@@ -181,18 +198,60 @@ Param* LlamaModel::find_param(const std::string& name) {
   return nullptr;
 }
 
-std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir) {
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadOptions& opt) {
   ModelConfig cfg = ModelConfig::load(dir);
-  std::unique_ptr<LlamaModel> m(new LlamaModel());
-  m->build(cfg);
+  const auto qcfg =
+      quant::parse_quantization_config(cfg.raw, (fs::path(dir) / "config.json").string());
   WeightFiles w = WeightFiles::open_dir(dir);
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  // Linear weights stay (or become) 4-bit unless asked for float32.
+  m->build(cfg, [&](const std::string& name) {
+    return !opt.dequantize && (opt.quantize || quant::is_quantized(w, name));
+  });
   for (auto& p : m->params_) {
     if (!w.has(p.name)) bad_input("{}: weights have no tensor '{}' required by config.json", dir, p.name);
+    const bool stored_4bit = quant::is_quantized(w, p.name);
+    if (stored_4bit) {
+      // transformers' layout: the packed weight and its companions, checked against the shape.
+      quant::QuantizedWeight q = quant::load_quantized(w, p.name, p.shape());
+      if (p.quant) {
+        *p.quant = std::move(q);
+      } else {
+        quant::dequantize_4bit(q, p.value);  // as bitsandbytes decodes it (rounded to its dtype)
+      }
+      continue;
+    }
     const TensorInfo& info = w.info(p.name);
-    if (info.shape != p.value.shape())
-      bad_input("{}: tensor '{}' has shape {} but config.json implies {}", dir, p.name,
-                shape_str(info.shape), shape_str(p.value.shape()));
+    if (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16 &&
+        info.dtype != DType::F64)
+      bad_input("{}: tensor '{}' is {} {}, not a float weight{}", w.path_of(p.name), p.name,
+                dtype_name(info.dtype), shape_str(info.shape),
+                info.dtype == DType::U8
+                    ? fmt::format(" (a bitsandbytes 4-bit weight needs '{}.{}' beside it)", p.name,
+                                  quant::quant_state_suffix(quant::QuantType::NF4))
+                    : "");
+    if (info.shape != p.shape())
+      bad_input("{}: tensor '{}' has shape {} but config.json implies {}", w.path_of(p.name),
+                p.name, shape_str(info.shape), shape_str(p.shape()));
+    if (p.quant) {
+      // Quantize while loading: one float tensor in memory at a time.
+      Tensor src = w.get(p.name);
+      if (src.dtype() == DType::F64) src = src.to_dtype(DType::F32);
+      *p.quant = quant::quantize_4bit(src, opt.quant_type, opt.blocksize, opt.double_quant);
+      continue;
+    }
     p.value.copy_from(w.get_f32(p.name));
+  }
+  if (m->is_quantized()) {
+    if (qcfg) {
+      m->qcfg_ = *qcfg;
+    } else {
+      quant::QuantConfig qc;
+      qc.type = opt.quant_type;
+      qc.blocksize = opt.blocksize;
+      qc.double_quant = opt.double_quant;
+      m->qcfg_ = qc;
+    }
   }
   return m;
 }
@@ -235,8 +294,8 @@ void LlamaModel::add_lora(const LoraConfig& lora, uint64_t seed) {
     for (int pi = 0; pi < 7; ++pi) {
       if (!lora.targets_module(kProjections[size_t(pi)])) continue;
       Linear& lin = L->proj[pi];
-      const Tensor& w = params_[size_t(lin.w)].value;
-      const int64_t out = w.dim(0), in = w.dim(1);
+      const Shape& ws = params_[size_t(lin.w)].shape();
+      const int64_t out = ws[0], in = ws[1];
       std::string pre = "base_model.model." + lin.module;
       Tensor a = fresh({lora.r, in}, "lora_A"), b = Tensor::zeros({out, lora.r}, DType::F32, Device::cpu(), "lora_B");
       // PEFT: kaiming_uniform_(a=sqrt(5)) gives bound 1/sqrt(fan_in).
@@ -304,6 +363,7 @@ void LlamaModel::save_adapter(const std::string& dir) const {
 void LlamaModel::merge_lora() {
   RIG_CHECK(lora_, "merge_lora: no LoRA attached");
   RIG_CHECK(act_ == DType::F32, "merge_lora needs float32 weights");
+  dequantize_weights();  // a QLoRA base: B·A·scale goes onto the dequantized weights
   for (auto& L : layers_)
     for (auto& lin : L->proj) {
       if (lin.lora_a < 0) continue;
@@ -320,8 +380,68 @@ void LlamaModel::merge_lora() {
 int64_t LlamaModel::num_parameters(bool trainable_only) const {
   int64_t n = 0;
   for (const auto& p : params_)
-    if (!trainable_only || p.trainable) n += p.value.numel();
+    if (!trainable_only || p.trainable) n += p.numel();
   return n;
+}
+
+void LlamaModel::quantize_weights(quant::QuantType type, int64_t blocksize, bool double_quant) {
+  RIG_CHECK(act_ == DType::F32, "quantize_weights: call before set_compute_dtype");
+  for (auto& L : layers_)
+    for (auto& lin : L->proj) {
+      Param& p = params_[size_t(lin.w)];
+      if (p.quant) continue;
+      Tensor host = p.value.device().is_cpu() ? p.value : p.value.to(Device::cpu(), p.name);
+      auto q = quant::quantize_4bit(host, type, blocksize, double_quant);
+      p.quant = std::make_shared<quant::QuantizedWeight>(q.to(dev_));
+      p.value = p.compute = p.grad = Tensor();
+      p.trainable = false;
+      p.compute_operand = false;
+    }
+  quant::QuantConfig qc;
+  qc.type = type;
+  qc.blocksize = blocksize;
+  qc.double_quant = double_quant;
+  qcfg_ = qc;
+}
+
+void LlamaModel::dequantize_weights() {
+  RIG_CHECK(act_ == DType::F32, "dequantize_weights needs the float32 compute dtype");
+  for (auto& p : params_) {
+    if (!p.quant) continue;
+    p.value = Tensor::empty(p.quant->shape, DType::F32, dev_, "dequantized weight");
+    quant::dequantize_4bit(*p.quant, p.value);
+    p.quant.reset();
+    p.compute_operand = true;
+  }
+  qbuf_ = qview_ = Tensor();
+  qcfg_.reset();
+}
+
+bool LlamaModel::is_quantized() const {
+  return std::any_of(params_.begin(), params_.end(), [](const Param& p) { return bool(p.quant); });
+}
+
+size_t LlamaModel::quantized_bytes() const {
+  size_t n = 0;
+  for (const auto& p : params_)
+    if (p.quant) n += p.quant->nbytes();
+  return n;
+}
+
+const Tensor& LlamaModel::weight_operand(int idx) {
+  Param& p = params_[size_t(idx)];
+  if (!p.quant) return p.operand();
+  const int64_t n = p.quant->numel();
+  if (!qbuf_.defined() || qbuf_.dtype() != act_ || qbuf_.device() != dev_ || qbuf_.numel() < n) {
+    int64_t most = n;  // sized once for the largest 4-bit weight
+    for (const auto& q : params_)
+      if (q.quant) most = std::max(most, q.quant->numel());
+    qview_ = qbuf_ = Tensor();
+    qbuf_ = Tensor::empty({most}, act_, dev_, "dequantized weight");
+  }
+  qview_ = qbuf_.slice_rows(0, n).reshape(p.quant->shape);
+  quant::dequantize_4bit(*p.quant, qview_);
+  return qview_;
 }
 
 void LlamaModel::zero_grad() {
@@ -406,12 +526,12 @@ void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, c
 
 }  // namespace
 
-#define RIG_LIN(lin)                                                                         \
-  LinearRefs {                                                                               \
-    params_[size_t((lin).w)].operand(), (lin).b >= 0 ? params_[size_t((lin).b)].operand() : kNone, \
+#define RIG_LIN(lin)                                                                           \
+  LinearRefs {                                                                                 \
+    weight_operand((lin).w), (lin).b >= 0 ? params_[size_t((lin).b)].operand() : kNone,        \
         (lin).lora_a >= 0 ? params_[size_t((lin).lora_a)].operand() : kNone,                   \
-        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].operand() : kNone,                   \
-        grad_of((lin).w), grad_of((lin).b), grad_of((lin).lora_a), grad_of((lin).lora_b)     \
+        (lin).lora_b >= 0 ? params_[size_t((lin).lora_b)].operand() : kNone, grad_of((lin).w), \
+        grad_of((lin).b), grad_of((lin).lora_a), grad_of((lin).lora_b)                         \
   }
 
 namespace {
@@ -758,6 +878,17 @@ void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max
   size_t cur = 0;
   for (const auto& p : params_) {
     if (p.name.find(".lora_") != std::string::npos) continue;
+    if (p.quant) {  // bitsandbytes' six tensors, as transformers saves a Linear4bit
+      for (auto& kv : quant::state_dict(p.name, *p.quant)) {
+        if (cur > 0 && cur + kv.second.nbytes() > max_shard_bytes) {
+          shards.emplace_back();
+          cur = 0;
+        }
+        cur += kv.second.nbytes();
+        shards.back().push_back(std::move(kv));
+      }
+      continue;
+    }
     Tensor host = p.value.device().is_cpu() ? p.value : p.value.to(Device::cpu(), p.name);
     Tensor t = host.dtype() == dtype ? host : host.to_dtype(DType::F32).to_dtype(dtype);
     if (cur > 0 && cur + t.nbytes() > max_shard_bytes) {
@@ -770,14 +901,20 @@ void LlamaModel::save_pretrained(const std::string& dir, DType dtype, size_t max
   nlohmann::json cfg = cfg_.to_json();
   cfg["torch_dtype"] = dtype == DType::BF16 ? "bfloat16" : dtype == DType::F16 ? "float16" : "float32";
   cfg["dtype"] = cfg["torch_dtype"];
+  cfg.erase("quantization_config");
+  const bool four_bit = is_quantized();
+  if (four_bit)
+    cfg["quantization_config"] =
+        quant::quantization_config_json(qcfg_.value_or(quant::QuantConfig{}));
   if (shards.size() == 1) {
-    save_safetensors((fs::path(dir) / "model.safetensors").string(), shards[0], {{"format", "pt"}});
+    save_safetensors((fs::path(dir) / "model.safetensors").string(), shards[0], {{"format", "pt"}},
+                     four_bit);
   } else {
     nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
     size_t total = 0;
     for (size_t i = 0; i < shards.size(); ++i) {
       std::string fname = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
-      save_safetensors((fs::path(dir) / fname).string(), shards[i], {{"format", "pt"}});
+      save_safetensors((fs::path(dir) / fname).string(), shards[i], {{"format", "pt"}}, four_bit);
       for (auto& [n, t] : shards[i]) {
         index["weight_map"][n] = fname;
         total += t.nbytes();

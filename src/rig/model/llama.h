@@ -6,6 +6,7 @@
 // (base_model.model.<module>.lora_A.default.weight).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "rig/core/tensor.h"
 #include "rig/model/config.h"
 #include "rig/model/lora.h"
+#include "rig/quant/nf4.h"
 
 namespace rig {
 
@@ -28,8 +30,25 @@ struct Param {
   // Read by the products in the compute dtype: linear, LoRA, embedding and LM head matrices, and
   // linear biases (cuBLASLt's bias epilogue wants the bias in the output's dtype).
   bool compute_operand = false;
-  // What the products read.
+  // A frozen linear weight kept 4-bit (bitsandbytes NF4/FP4): `value` is then undefined and the
+  // products read the weight dequantized, one matrix at a time, just before they use it.
+  std::shared_ptr<quant::QuantizedWeight> quant;
+  // What the products read (not for quantized weights: LlamaModel dequantizes those).
   const Tensor& operand() const { return compute.defined() ? compute : value; }
+  const Shape& shape() const { return quant ? quant->shape : value.shape(); }
+  int64_t numel() const { return quant ? quant->numel() : value.numel(); }
+};
+
+// How LlamaModel::load treats 4-bit weights.
+struct LoadOptions {
+  // Quantize the decoder's linear weights while loading (one tensor at a time, as bitsandbytes'
+  // quantize_4bit), unless the folder stores them quantized already. QLoRA's base.
+  bool quantize = false;
+  quant::QuantType quant_type = quant::QuantType::NF4;
+  int64_t blocksize = 64;
+  bool double_quant = true;
+  // Decode a bitsandbytes folder's 4-bit weights into plain float32 parameters.
+  bool dequantize = false;
 };
 
 // input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.
@@ -75,7 +94,9 @@ struct StepResult {
 class LlamaModel {
  public:
   // From a Hugging Face model folder (config.json + safetensors); weights converted to float32.
-  static std::unique_ptr<LlamaModel> load(const std::string& dir);
+  // A bitsandbytes 4-bit folder (quantization_config in config.json; transformers' layout of
+  // weight + weight.absmax/quant_map/nested_*/quant_state) keeps its linear weights 4-bit.
+  static std::unique_ptr<LlamaModel> load(const std::string& dir, const LoadOptions& opt = {});
   // Random initialisation (normal(0, 0.02) for matrices, ones for norms), seeded.
   static std::unique_ptr<LlamaModel> random(const ModelConfig& cfg, uint64_t seed);
 
@@ -98,8 +119,18 @@ class LlamaModel {
   // A PEFT adapter folder: adds LoRA with its config and loads its weights.
   void load_adapter(const std::string& dir);
   void save_adapter(const std::string& dir) const;
-  // Folds B·A·scale into the base weights and removes LoRA.
+  // Folds B·A·scale into the base weights and removes LoRA (4-bit weights are dequantized first).
   void merge_lora();
+
+  // Quantizes every decoder linear weight that is not yet (on the host, one at a time) and
+  // freezes it.
+  void quantize_weights(quant::QuantType type = quant::QuantType::NF4, int64_t blocksize = 64,
+                        bool double_quant = true);
+  // Turns 4-bit weights back into float32 parameters (as bitsandbytes dequantizes them).
+  void dequantize_weights();
+  bool is_quantized() const;
+  // Bytes the 4-bit weights take (packed nibbles, scales, maps).
+  size_t quantized_bytes() const;
 
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
@@ -124,7 +155,8 @@ class LlamaModel {
   std::vector<float> decode(KVCache& cache, const std::vector<int64_t>& tokens);
 
   // Writes a Hugging Face model folder (config.json + model.safetensors, or shards past
-  // max_shard_bytes with an index), atomically per file.
+  // max_shard_bytes with an index), atomically per file. 4-bit weights are written in
+  // bitsandbytes' form with quantization_config in config.json.
   void save_pretrained(const std::string& dir, DType dtype = DType::F32,
                        size_t max_shard_bytes = size_t(4) << 30) const;
 
@@ -138,13 +170,18 @@ class LlamaModel {
 
  private:
   LlamaModel();
-  void build(const ModelConfig& cfg);
+  // Registers every parameter; linear weights named by `four_bit` are registered 4-bit (no
+  // float32 storage), waiting for their quantized data.
+  void build(const ModelConfig& cfg, const std::function<bool(const std::string&)>& four_bit = {});
   void register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand);
   Tensor act(const Shape& s, const char* what) const;  // an activation in the compute dtype
   Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
   void layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed);
+  // The weight a product reads: the parameter's operand, or a 4-bit weight dequantized into the
+  // one reused buffer (valid until the next call).
+  const Tensor& weight_operand(int idx);
 
   ModelConfig cfg_;
   std::optional<LoraConfig> lora_;
@@ -155,6 +192,8 @@ class LlamaModel {
   Tensor cur_pos_;  // position ids of the batch in flight, flattened
   Device dev_;
   DType act_ = DType::F32;
+  Tensor qbuf_, qview_;  // the dequantization buffer (largest 4-bit weight, compute dtype)
+  std::optional<quant::QuantConfig> qcfg_;  // quantization_config of a 4-bit model
 };
 
 // Closed-form inverse frequencies with the config's rope scaling (float64).

@@ -207,6 +207,7 @@ struct Sharded::PendingGrad {
 
 Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), model_(model) {
   RIG_CHECK(model.compute_dtype() == DType::F32, "sharded training needs float32 compute");
+  RIG_CHECK(!model.is_quantized(), "sharded training does not shard 4-bit weights yet");
   auto members = unit_members(model, units_);
   auto& ps = model.params();
   const Device dev = model.device();

@@ -159,6 +159,7 @@ void sum_over_ranks(dist::Communicator& comm, std::vector<float>& v) {
 
 std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
   std::unique_ptr<LlamaModel> m;
+  const bool qlora = cfg.method == "qlora";
   if (cfg.init == "random") {
     json arch = cfg.architecture_json();
     if (arch.is_null()) {
@@ -167,13 +168,21 @@ std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
     } else {
       m = LlamaModel::random(ModelConfig::from_json(arch, cfg.source + " architecture"), cfg.seed);
     }
+    if (qlora) m->quantize_weights();  // NF4, blocks of 64, double quantization
   } else {
     if (cfg.model.empty()) bad_input("{}: set 'model' to a Hugging Face model folder", cfg.source);
-    m = LlamaModel::load(cfg.model);
+    // QLoRA: a bitsandbytes 4-bit folder loads as it is; a bf16/fp32 one is quantized to NF4
+    // (blocks of 64, double quantization) one tensor at a time while it loads.
+    LoadOptions lo;
+    lo.quantize = qlora;
+    m = LlamaModel::load(cfg.model, lo);
+    if (!qlora && m->is_quantized())
+      bad_input(
+          "{}: {} holds bitsandbytes 4-bit weights, which only LoRA adapters can train on; "
+          "set method: qlora",
+          cfg.source, cfg.model);
   }
-  if (cfg.method == "qlora")
-    bad_input("{}: method qlora needs NF4 weights, which rig does not implement yet; use lora", cfg.source);
-  if (cfg.method == "lora") {
+  if (cfg.method == "lora" || qlora) {
     LoraConfig lc;
     lc.r = int(cfg.lora.r);
     lc.alpha = float(cfg.lora.alpha);
@@ -315,6 +324,11 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   const bool lead = rank == 0;
   const bool sharding = comm && cfg.strategy == "sharded";
   const std::string strategy_name = !comm ? "single" : sharding ? "sharded" : "ddp";
+  if (sharding && cfg.method == "qlora")
+    bad_input(
+        "{}: strategy: sharded does not shard 4-bit weights yet; train QLoRA with strategy: ddp "
+        "(every rank holds the NF4 model)",
+        cfg.source);
   // Shards are float32 flat buffers; bf16 compute copies of gathered layers are not made yet.
   if (sharding && precision == "bf16")
     bad_input("{}: strategy: sharded trains in float32 for now; set precision: fp32 (or use strategy: ddp)",

@@ -20,6 +20,10 @@
 
 #include "rig/ops/ops.h"
 
+namespace rig::quant {
+struct QuantizedWeight;
+}
+
 namespace rig::ops::cuda {
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta);
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias);
@@ -59,4 +63,7 @@ double sum_squares(const Tensor& a);
 void cast(const Tensor& src, Tensor& dst);
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+// out (F32 or BF16, q's element count, on q's device) = the 4-bit weight decoded: double-quantized
+// absmax inline, f32(code[nibble] * absmax) rounded to q.dtype, then stored in out's dtype.
+void dequantize_4bit(const quant::QuantizedWeight& q, Tensor& out);
 }  // namespace rig::ops::cuda

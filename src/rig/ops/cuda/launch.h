@@ -86,4 +86,20 @@ cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64
                           int64_t V, float grad_scale, void* dlogits, float* row_loss,
                           CeResult* out, cudaStream_t s);
 
+// ---- nf4.cu (bitsandbytes 4-bit weights: packed nibbles, element 2i in the high nibble)
+struct Nf4Args {
+  const uint8_t* packed;       // (n + 1) / 2 bytes
+  const void* absmax;          // nested: U8 codes [n_blocks]; otherwise F32 [n_blocks]
+  const float* nested_absmax;  // nested: [ceil(n_blocks / nested_blocksize)]
+  const float* nested_map;     // nested: the 256-value dynamic code
+  const float* code;           // the 16-value NF4/FP4 code
+  float offset;                // nested: added after the nested dequantization
+  int64_t n, blocksize, nested_blocksize;
+  int nested;    // 0 or 1
+  int round_to;  // the original weight dtype the value is rounded to first: 0 F32, 1 BF16, 2 F16
+};
+// out[i] = round(f32(code[nibble i] * absmax[i / blocksize])) in `tout`. One pass: 16-byte loads
+// of packed data (32 weights a thread) when the layout allows, else one weight a thread.
+cudaError_t dequantize_4bit(const Nf4Args& a, T tout, void* out, cudaStream_t s);
+
 }  // namespace rig::ops::cuda::k

@@ -132,6 +132,7 @@ int run(const Opts& o) {
                       {"tflops", tokens / secs * flops_per_token / 1e12},
                       {"step_ms", 1e3 * secs / double(o.steps)},
                       {"peak_memory_bytes", alloc.peak()},
+                      {"peak_reserved_bytes", alloc.peak_reserved()},
                       {"losses", losses}};
   if (!breakdown.is_null()) r["breakdown"] = breakdown;
   if (o.json) {
@@ -145,10 +146,11 @@ int run(const Opts& o) {
       fmt::print("  {:<16} {:9.2f} ms\n", "profiled step", step);
     }
     fmt::print("{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
-               "{:.3f} TFLOP/s, peak {}\n",
+               "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
                o.method, int64_t(n), m->num_parameters(true), o.batch, o.seq,
                o.ckpt ? ", checkpointing" : "", tokens / secs, 1e3 * secs / double(o.steps),
-               tokens / secs * flops_per_token / 1e12, rig::format_bytes(double(alloc.peak())));
+               tokens / secs * flops_per_token / 1e12, rig::format_bytes(double(alloc.peak())),
+               rig::format_bytes(double(alloc.peak_reserved())));
   }
   return 0;
 }

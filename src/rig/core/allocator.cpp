@@ -23,6 +23,12 @@ void* Allocator::allocate(size_t bytes, std::string_view what) {
   void* p = raw_allocate(bytes);
   if (!p) {
     in_use_.fetch_sub(bytes);
+    if (b)
+      throw OutOfMemory(fmt::format(
+          "out of memory on {}: allocating {} for {} with {} in use ({} reserved) would exceed "
+          "the budget of {}",
+          device_, format_bytes(double(bytes)), what, format_bytes(double(now - bytes)),
+          format_bytes(double(reserved_.load())), format_bytes(double(b))));
     throw OutOfMemory(fmt::format("out of memory on {}: allocating {} for {} with {} in use",
                                   device_, format_bytes(double(bytes)), what,
                                   format_bytes(double(now - bytes))));
@@ -31,6 +37,13 @@ void* Allocator::allocate(size_t bytes, std::string_view what) {
   while (now > pk && !peak_.compare_exchange_weak(pk, now)) {
   }
   return p;
+}
+
+void Allocator::note_reserved(size_t bytes) {
+  const size_t now = reserved_.fetch_add(bytes) + bytes;
+  size_t pk = peak_reserved_.load();
+  while (now > pk && !peak_reserved_.compare_exchange_weak(pk, now)) {
+  }
 }
 
 void Allocator::deallocate(void* p, size_t bytes) {
@@ -50,6 +63,7 @@ class CpuAllocator final : public Allocator {
     for (auto& [size, blocks] : cache_)
       for (void* p : blocks) std::free(p);
   }
+  // Cached blocks count as reserved; small ones are returned to the C library at once.
 
  protected:
   static constexpr size_t kCacheMin = 64 << 10;
@@ -68,7 +82,9 @@ class CpuAllocator final : public Allocator {
       }
     }
     // 64-byte alignment suits AVX-512 loads and BLAS.
-    return std::aligned_alloc(64, b);
+    void* p = std::aligned_alloc(64, b);
+    if (p) note_reserved(b);
+    return p;
   }
   void raw_deallocate(void* p, size_t bytes) override {
     size_t b = rounded(bytes);
@@ -78,6 +94,7 @@ class CpuAllocator final : public Allocator {
       return;
     }
     std::free(p);
+    note_released(b);
   }
 
  private:

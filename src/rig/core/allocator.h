@@ -1,6 +1,8 @@
-// One allocator per device, with a byte budget and a peak counter. The budget makes a large GPU
-// refuse what a smaller card could not hold (`--max-memory 22GiB`); the peak is what the planner's
-// predictions are checked against.
+// One allocator per device, with a byte budget and peak counters. Two amounts: bytes in use (what
+// tensors asked for; the planner's predictions are checked against its peak) and bytes reserved
+// (what the allocator holds from the device: in use, rounding and cached free blocks; what
+// nvidia-smi sees, less the CUDA context). The budget bounds the reserved bytes, so that
+// `max_memory: 22GiB` makes a large GPU refuse what a smaller card could not hold.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -30,18 +32,33 @@ class Allocator {
 
   size_t in_use() const { return in_use_.load(); }
   size_t peak() const { return peak_.load(); }
+  size_t reserved() const { return reserved_.load(); }
+  size_t peak_reserved() const { return peak_reserved_.load(); }
   size_t budget() const { return budget_.load(); }  // 0: no budget
   void set_budget(size_t bytes) { budget_.store(bytes); }
-  void reset_peak() { peak_.store(in_use_.load()); }
+  // Gives cached free blocks back to the device (the CUDA allocator; a no-op elsewhere).
+  virtual void release_cached() {}
+  void reset_peak() {
+    peak_.store(in_use_.load());
+    peak_reserved_.store(reserved_.load());
+  }
   const std::string& device_name() const { return device_; }
 
  protected:
   virtual void* raw_allocate(size_t bytes) = 0;  // nullptr when the device is out of memory
   virtual void raw_deallocate(void* p, size_t bytes) = 0;
+  // Subclasses report what they take from and give back to the device.
+  void note_reserved(size_t bytes);
+  void note_released(size_t bytes) { reserved_.fetch_sub(bytes); }
+  // Whether reserving `bytes` more stays within the budget.
+  bool fits_budget(size_t bytes) const {
+    const size_t b = budget_.load();
+    return b == 0 || reserved_.load() + bytes <= b;
+  }
 
  private:
   std::string device_;
-  std::atomic<size_t> in_use_{0}, peak_{0}, budget_{0};
+  std::atomic<size_t> in_use_{0}, peak_{0}, budget_{0}, reserved_{0}, peak_reserved_{0};
 };
 
 Allocator& cpu_allocator();

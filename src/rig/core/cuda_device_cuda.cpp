@@ -1,5 +1,6 @@
-// CUDA memory: a caching allocator per device (cudaMalloc is slow and synchronising), with the
-// budget and peak counted on the bytes handed out.
+// CUDA memory: a caching allocator per device (cudaMalloc is slow and synchronising). The budget
+// bounds the bytes reserved with cudaMalloc (cached free blocks included): past it, the cache is
+// released before anything new is reserved.
 #include <map>
 #include <mutex>
 #include <vector>
@@ -23,12 +24,17 @@ class CudaCachingAllocator final : public Allocator {
   explicit CudaCachingAllocator(int index)
       : Allocator(fmt::format("cuda:{}", index)), index_(index) {}
 
+  void release_cached() override { release_cache(); }
+
   void release_cache() {
     std::lock_guard<std::mutex> g(mu_);
     int prev;
     RIG_CUDA_CHECK(cudaGetDevice(&prev));
     RIG_CUDA_CHECK(cudaSetDevice(index_));
-    for (auto& [size, p] : free_) cudaFree(p);
+    for (auto& [size, p] : free_) {
+      cudaFree(p);
+      note_released(size);
+    }
     free_.clear();
     RIG_CUDA_CHECK(cudaSetDevice(prev));
   }
@@ -46,6 +52,10 @@ class CudaCachingAllocator final : public Allocator {
         free_.erase(it);
         return p;
       }
+    }
+    if (!fits_budget(b)) {
+      release_cache();
+      if (!fits_budget(b)) return nullptr;
     }
     int prev;
     RIG_CUDA_CHECK(cudaGetDevice(&prev));
@@ -65,6 +75,7 @@ class CudaCachingAllocator final : public Allocator {
     if (p) {
       std::lock_guard<std::mutex> g(mu_);
       sizes_[p] = b;
+      note_reserved(b);
     }
     return p;
   }

@@ -32,6 +32,18 @@ void set_deterministic(bool on) {
 }
 
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+  if (profiling()) {
+    // Each product shape on its own line of the profile: m x n x k, the dtypes, accumulation.
+    const std::string name = fmt::format(
+        "gemm {}x{}x{} {}{}{} {}", c.dim(0), c.dim(1), ta ? a.dim(0) : a.dim(1),
+        dtype_name(a.dtype()), c.dtype() == a.dtype() ? "" : "->", c.dtype() == a.dtype() ? "" : dtype_name(c.dtype()),
+        beta == 0.0f ? "" : "+=");
+    OpScope scope(name.c_str(), "matmul", c.device().is_cuda(), c.device().index);
+#ifdef RIG_WITH_CUDA
+    if (c.device().is_cuda()) return cuda::gemm(a, ta, b, tb, c, alpha, beta);
+#endif
+    return cpu::gemm(a, ta, b, tb, c, alpha, beta);
+  }
   RIG_DISPATCH_AS("matmul", c, gemm(a, ta, b, tb, c, alpha, beta));
 }
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {

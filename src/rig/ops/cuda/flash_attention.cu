@@ -22,8 +22,10 @@
 //             dK += dS^T Q: nothing goes through shared memory but Q, dO, K, V. Loops over every
 //             query head of the group and the query tiles in a fixed order: deterministic.
 //
-// Masks: a tile is masked per element only on the causal diagonal, at T's end, or when it is not
-// provably inside one segment; everything else runs the unmasked path.
+// Skipping and masks: blocks start at the first key their rows' segments can see; inside a block
+// each warp also skips (sub-)tiles wholly outside its own rows' (or keys') segments. A tile is
+// masked per element only on the causal diagonal, at T's end, or when it is not provably inside
+// one segment; everything else runs the unmasked path.
 #include "rig/ops/cuda/flash_attention.h"
 
 #include <cuda_bf16.h>
@@ -256,7 +258,8 @@ __device__ __forceinline__ void load_first(int* dst, const int* first, int r0, i
 // MT m16 row tiles per warp, NW warps: BM = 16*MT*NW query rows; key tiles of BN, double-buffered,
 // computed BNS keys at a time (a smaller S in registers: at D=128 the 128 accumulators of O leave
 // no room for a 64-wide S). Shared rows: Q [0, BM), buffer c: K at BM + 2BN c, V after it; then
-// the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN].
+// the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN], and each warp's
+// QuerySeg range [NW][2] (kept there, not in registers: at D=128 there are none to spare).
 template <int D, int MT, int NW, int BN, int BNS>
 __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p) {
   constexpr int BM = 16 * MT * NW, NT = NW * 32, KS = D / 16, NN = BNS / 8, ND = D / 8;
@@ -268,6 +271,7 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
   auto sV = [&](int c) { return sK(c) + uint32_t(BN * RB); };
   int* sFq = reinterpret_cast<int*>(smem + (BM + 4 * BN) * RB);
   int* sFk = sFq + BM;
+  int* sW = sFk + 2 * BN;
 
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int T = p.T, b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq, hk = h / p.group;
@@ -289,8 +293,7 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
   cp_commit();
 
   const int wr0 = i0 + w * 16 * MT;  // the warp's first query row
-  int lo_w, hi_w;
-  qs.warp_range(wr0, wr0 + 16 * MT - 1, T, lo_w, hi_w);
+  if (lane == 0) qs.warp_range(wr0, wr0 + 16 * MT - 1, T, sW[2 * w], sW[2 * w + 1]);
   const Lanes<D> lq0(w * 16 * MT + (lane & 15), lane >> 4), lk0 = lanes_bn<D>(lane),
       lv0 = lanes_a<D>(lane);
 
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
     for (int sub = 0; sub < BN / BNS; ++sub) {
       const int js = j0 + sub * BNS;
       if (js > wr0 + 16 * MT - 1) break;  // no key from here on is visible to this warp's rows
-      if (js + BNS - 1 < lo_w) continue;  // all before the segments of this warp's rows
+      if (js + BNS - 1 < sW[2 * w]) continue;  // all before the segments of this warp's rows
       const Lanes<D> lq = lq0.fresh(), lk = lk0.fresh();
       float s[MT][NN][4];
 #pragma unroll
@@ -347,7 +350,7 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
         }
       }
 
-      if (js + BNS - 1 > wr0 || hi_w > js) {
+      if (js + BNS - 1 > wr0 || sW[2 * w + 1] > js) {
 #pragma unroll
         for (int nt = 0; nt < NN; ++nt)
 #pragma unroll
@@ -810,7 +813,8 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
 template <int D>
 struct FwdCfg {
   static constexpr int MT = 2, NW = 4, BN = 64, BNS = D >= 96 ? 32 : 64, BM = 16 * MT * NW;
-  static constexpr size_t smem = size_t(BM + 4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN) * sizeof(int);
+  static constexpr size_t smem =
+      size_t(BM + 4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN + 2 * NW) * sizeof(int);
 };
 // dQ: 4 warps x 16 rows, 64-key tiles double-buffered.
 template <int D>
@@ -902,9 +906,11 @@ cudaError_t bwd_d(const FlashParams& p, cudaStream_t s) {
   constexpr int C = D / 8, RPW = 32 % C == 0 ? 32 / C : 1;
   const int64_t rows = int64_t(p.B) * p.T * p.Hq, warps = (rows + RPW - 1) / RPW;
   delta_kernel<D><<<unsigned((warps + 7) / 8), 256, 0, s>>>(p.dout, p.o, p.delta, rows, p.T, p.Hq);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
   auto kq = flash_bwd_dq_kernel<D, Q::NW, Q::BN>;
   auto kkv = flash_bwd_dkdv_kernel<D, K::NW, K::BM>;
-  cudaError_t e = allow_smem(kq, Q::smem);
+  e = allow_smem(kq, Q::smem);
   if (e == cudaSuccess) e = allow_smem(kkv, K::smem);
   if (e != cudaSuccess) return e;
   // dK/dV first: its blocks are the longest (key tile 0 sees every query), so start them early.

@@ -389,6 +389,23 @@ struct ImplScope {
   std::string prev;
 };
 
+double rms(const Tensor& t) {
+  double s = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) s += double(t.f32()[i]) * t.f32()[i];
+  return std::sqrt(s / double(std::max<int64_t>(t.numel(), 1)));
+}
+
+// A gradient that is exactly zero in exact arithmetic (dq and dk when every query sees one key:
+// p = 1, so dS = dout·v - dout·out = 0) is rounding noise on both sides, and a relative error
+// means nothing there: then the GPU's must be noise too, RMS under 1e-3 (inputs are O(1)).
+void expect_grad_close(const Tensor& got, const Tensor& ref, DType dt, const std::string& what) {
+  if (rms(ref) < 1e-5) {
+    EXPECT_LE(rms(got), 1e-3) << what << ": the exact gradient is zero";
+    return;
+  }
+  EXPECT_CLOSE(got, ref, dt, what);
+}
+
 void check_attention(const std::string& impl, const AttnCase& c, DType dt, std::mt19937& g,
                      bool backward = true) {
   ImplScope scope(impl);
@@ -423,9 +440,9 @@ void check_attention(const std::string& impl, const AttnCase& c, DType dt, std::
   Tensor dgv = gpu(nans(k.shape()), dt);
   ops::attention_backward(gpu(go, dt), dq_, dk_, dv_, dseg, dout_, dlse, dgq, dgk, dgv);
   if (impl != "auto") EXPECT_EQ(ops::cuda::last_attention_impl(true), impl) << what;
-  EXPECT_CLOSE(host(dgq), gq, dt, what + " dq");
-  EXPECT_CLOSE(host(dgk), gk, dt, what + " dk");
-  EXPECT_CLOSE(host(dgv), gv, dt, what + " dv");
+  expect_grad_close(host(dgq), gq, dt, what + " dq");
+  expect_grad_close(host(dgk), gk, dt, what + " dk");
+  expect_grad_close(host(dgv), gv, dt, what + " dv");
 }
 
 // The fp32 reference kernel (any head_dim up to 256, F32 and BF16).

@@ -155,7 +155,8 @@ ValueStats value_stats(const Tensor& t) {
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
                             const json& state, int64_t keep_last,
-                            const std::vector<std::string>& extra_files) {
+                            const std::vector<std::string>& extra_files,
+                            const std::function<void()>& before_manifest) {
   if (step < 0) bad_input("save_checkpoint: step {} is negative", step);
   if (!state.is_object()) bad_input("save_checkpoint: the trainer state must be a JSON object");
   fs::path root = fs::path(run_dir) / "checkpoints";
@@ -209,6 +210,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
     std::string p = (tmp / name).string();
     m["files"][name] = {{"bytes", fs::file_size(p)}, {"xxh3", xxh3_file_hex(p)}};
   }
+  if (before_manifest) before_manifest();
   write_file_atomic((tmp / kManifestFile).string(), m.dump(1) + "\n");
   fsync_dir(tmp.string());
 

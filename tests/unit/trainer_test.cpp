@@ -189,6 +189,11 @@ TEST(Trainer, DemoLearnsTheHeldOutTask) {
   EXPECT_EQ(em.front(), 0.0);  // the random model solves nothing
   EXPECT_GT(r.exact_match, 0.5);
   EXPECT_LT(r.eval_loss, 0.5);
+  // The guard (on by default) saw nothing to skip, roll back or reject in a healthy run.
+  for (const auto& row : read_metrics(out + "/metrics.jsonl").rows)
+    EXPECT_FALSE(row.contains("event")) << row.dump();
+  EXPECT_EQ(r.skipped_steps, 0);
+  EXPECT_EQ(r.rollbacks, 0);
 }
 
 TEST(Trainer, BadConfigAndDataAreClearErrors) {

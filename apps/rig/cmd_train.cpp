@@ -79,8 +79,9 @@ rig::cli::Registrar reg("train", "Train a model (full or LoRA) from a YAML confi
   app.add_option("--set", o->set, "override a key: --set lora.r=8 (repeatable)");
   app.add_option("--output", o->output, "run folder (overrides output_dir)");
   app.add_option("--inject", o->inject,
-                 "inject a fault: KIND@STEP[:RANK], KIND one of nan-grad, bit-flip, loss-spike, "
-                 "kill, kill-during-save, corrupt-checkpoint (repeatable; docs/reliability.md)");
+                 "inject a fault: KIND@STEP[:RANK], KIND one of nan-grad, bit-flip, "
+                 "bit-flip-frozen, loss-spike, kill, kill-during-save, corrupt-checkpoint "
+                 "(repeatable; docs/reliability.md)");
   app.add_option("--resume", o->resume, "continue the run in this folder from its last checkpoint");
   app.add_flag("--quiet", o->quiet, "no progress display");
   o->launch.add(app);

@@ -154,6 +154,11 @@ void check_row(const std::string& key, const Row& r) {
       << line;
 }
 
+// "0 steps", "1 step", "2 steps".
+std::string steps_text(int64_t n) {
+  return fmt::format("{} step{}", n, n == 1 ? "" : "s");
+}
+
 // How a replica, weight or shard verdict came about, in the table's words.
 std::string detected_by(const json& ev) {
   const std::string by = ev.value("found_by", "");
@@ -343,7 +348,7 @@ TEST(Guard, NanGradientSkipsTheStepLikeARunThatSkippedTheBatch) {
   check_row("01-nan-grad",
             {"--inject nan-grad@4", "CPU, 1 process",
              "NaN/Inf check of the gradients, before the optimizer",
-             fmt::format("{} steps", skipped[0]["step"].get<int64_t>() - at),
+             steps_text(skipped[0]["step"].get<int64_t>() - at),
              "step skipped: weights, AdamW moments, schedule unchanged; batch consumed", "0",
              "1 (the bad one)", std::to_string(lost),
              "bitwise equal to a run that skipped the same batch"});
@@ -399,7 +404,7 @@ TEST(Guard, LossSpikeRollsBackAndSkipsTheWindowOfBatches) {
   check_row("03-loss-spike",
             {"--inject loss-spike@7", "CPU, 1 process",
              "spike rule (loss above its running median by 8 MADs and 1.5x)",
-             fmt::format("{} steps", rb[0]["step"].get<int64_t>() - at),
+             steps_text(rb[0]["step"].get<int64_t>() - at),
              "rollback to step-4, then skip the window of batches",
              std::to_string(at - 1 - rb[0]["to_step"].get<int64_t>()), std::to_string(skipped),
              std::to_string(lost), "bitwise equal to a run that skipped the same batches"});
@@ -451,9 +456,47 @@ TEST(Guard, BitFlipInAWeightRollsBackToTheSameResult) {
   EXPECT_EQ(lost, 0);
   check_row("04-bit-flip",
             {"--inject bit-flip@6", "CPU, 1 process", detected_by(bad[0]),
-             fmt::format("{} steps", bad[0]["step"].get<int64_t>() - at),
+             steps_text(bad[0]["step"].get<int64_t>() - at),
              "rollback to step-4, replaying the same batches", std::to_string(at - 1 - 4), "0",
              std::to_string(lost), "bitwise equal to a clean run"});
+}
+
+TEST(Guard, BitFlipInAFrozenBaseWeightIsFoundAndReloaded) {
+  // LoRA on the tiny Llama-3 fixture: the base weights are frozen, in no checkpoint, and most
+  // of the memory. Their hash must never move; when it does, the rollback reloads them.
+  const std::string base = test::temp_dir("guard_frozen");
+  const int64_t steps = 6, at = 3;
+  auto cfg = [&](const std::string& out, std::vector<std::string> more) {
+    more.insert(more.end(), {"guard.replica_check_every=2", "save.every=2", "packing=false",
+                             "micro_batch_size=4", "eval.split=0", "save.keep_last=0",
+                             "optimizer.lr=1e-2", "max_steps=" + std::to_string(steps),
+                             "output_dir=" + out, "datasets.0.path=" + small_data(),
+                             "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
+                             "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
+    return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", more);
+  };
+  auto r = run(cfg(base + "/flip", {"inject=[bit-flip-frozen@3]"}));
+  EXPECT_EQ(r.rollbacks, 1);
+  auto fm = events(base + "/flip", "frozen_mismatch");
+  ASSERT_EQ(fm.size(), 1u) << read_file(base + "/flip/train.log");
+  auto rb = events(base + "/flip", "rollback");
+  ASSERT_EQ(rb.size(), 1u);
+  EXPECT_EQ(rb[0]["rule"], "frozen");
+  EXPECT_EQ(rb[0].value("reloaded_frozen_weights", false), true);
+  run(cfg(base + "/ref", {}));
+  expect_same_tensors(base + "/flip/final/adapter_model.safetensors",
+                      base + "/ref/final/adapter_model.safetensors");
+  expect_same_tensors(fmt::format("{}/flip/checkpoints/step-{}/state.safetensors", base, steps),
+                      fmt::format("{}/ref/checkpoints/step-{}/state.safetensors", base, steps));
+  const int64_t lost = steps_lost(base + "/flip", steps);
+  EXPECT_EQ(lost, 0);
+  const int64_t seen = fm[0]["step"];
+  check_row(
+      "05-bit-flip-frozen",
+      {"--inject bit-flip-frozen@3", "CPU, 1 process, LoRA", detected_by(fm[0]),
+       steps_text(seen - at),
+       "rollback to step-2, frozen weights reloaded from the model, same batches",
+       std::to_string(seen - 1 - 2), "0", std::to_string(lost), "bitwise equal to a clean run"});
 }
 
 // ---- crashes, through the rig binary -----------------------------------------------------------
@@ -487,7 +530,7 @@ TEST(Guard, KillsAndACorruptCheckpointResumeToTheCleanResult) {
   auto res = events(out, "resumed");
   ASSERT_EQ(res.size(), 1u);
   EXPECT_EQ(res[0]["step"], 5);
-  check_row("07-kill", {"--inject kill@8", "CPU, 1 process (rig binary)",
+  check_row("08-kill", {"--inject kill@8", "CPU, 1 process (rig binary)",
                         "the process is gone; rig train --resume", "-",
                         "resume from the last complete checkpoint (step-5)", "2", "0",
                         std::to_string(steps_lost(out, steps)), "bitwise equal to a clean run"});
@@ -499,7 +542,7 @@ TEST(Guard, KillsAndACorruptCheckpointResumeToTheCleanResult) {
   EXPECT_EQ(res[0]["step"], 5);
   EXPECT_TRUE(verify_checkpoint(out + "/checkpoints/step-10").ok());  // written again, whole
   EXPECT_FALSE(fs::exists(out + "/checkpoints/.step-10.tmp"));
-  check_row("08-kill-during-save",
+  check_row("09-kill-during-save",
             {"--inject kill-during-save@10", "CPU, 1 process (rig binary)",
              "the process is gone; step-10 has no manifest, so it is not a checkpoint", "-",
              "resume from step-5; the half-written folder is removed", "5", "0",
@@ -514,7 +557,7 @@ TEST(Guard, KillsAndACorruptCheckpointResumeToTheCleanResult) {
   ASSERT_EQ(res.size(), 1u);
   EXPECT_EQ(res[0]["step"], 5);
   EXPECT_TRUE(fs::exists(out + "/checkpoints/rejected-step-10"));
-  check_row("05-corrupt-checkpoint",
+  check_row("07-corrupt-checkpoint",
             {"--inject corrupt-checkpoint@10 --inject kill@12", "CPU, 1 process (rig binary)",
              "checksum mismatch when the resume verifies step-10", "at the next use (the resume)",
              "step-10 set aside as rejected-step-10; resume from step-5", "6", "0",
@@ -612,11 +655,11 @@ TEST(GuardParallel, BitFlipOnOneReplicaIsNamedAndEveryRankRollsBack) {
   const int64_t lost = steps_lost(base + "/flip", steps);
   EXPECT_EQ(lost, 0);
   const int64_t seen = mm[0]["step"];
-  check_row("09-bit-flip-replica", {"--inject bit-flip@4:1", "CPU, 2 ranks data-parallel (Gloo)",
-                                    detected_by(mm[0]), fmt::format("{} steps", seen - at),
-                                    "every rank rolls back to step-2, replaying the same batches",
-                                    std::to_string(seen - 1 - 2), "0", std::to_string(lost),
-                                    "bitwise equal to a clean 2-rank run"});
+  check_row("10-bit-flip-replica",
+            {"--inject bit-flip@4:1", "CPU, 2 ranks data-parallel (Gloo)", detected_by(mm[0]),
+             steps_text(seen - at), "every rank rolls back to step-2, replaying the same batches",
+             std::to_string(seen - 1 - 2), "0", std::to_string(lost),
+             "bitwise equal to a clean 2-rank run"});
 }
 
 TEST(GuardParallel, BitFlipInAShardIsFoundByItsOwnHash) {
@@ -636,9 +679,29 @@ TEST(GuardParallel, BitFlipInAShardIsFoundByItsOwnHash) {
   const int64_t lost = steps_lost(base + "/flip", steps);
   EXPECT_EQ(lost, 0);
   const int64_t seen = mm[0]["step"];
-  check_row("10-bit-flip-shard", {"--inject bit-flip@4:1", "CPU, 2 ranks sharded (Gloo)",
-                                  detected_by(mm[0]), fmt::format("{} steps", seen - at),
-                                  "every rank rolls back to step-2, replaying the same batches",
-                                  std::to_string(seen - 1 - 2), "0", std::to_string(lost),
-                                  "bitwise equal to a clean 2-rank sharded run"});
+  // A flipped bit in rank 0's shard of a frozen base weight: not in any checkpoint, so the
+  // rollback reloads the frozen shards from the model folder.
+  train_ranks(2, [&](int) {
+    return tiny(base + "/frozen", "sharded", 2, steps, {"inject=[bit-flip-frozen@3]"});
+  });
+  auto fm = events(base + "/frozen", "shard_mismatch");
+  ASSERT_EQ(fm.size(), 1u) << read_file(base + "/frozen/train.log");
+  EXPECT_EQ(fm[0]["ranks"], json::array({0}));
+  auto frb = events(base + "/frozen", "rollback");
+  ASSERT_EQ(frb.size(), 1u);
+  EXPECT_EQ(frb[0].value("reloaded_frozen_weights", false), true);
+  expect_same_adapters(base + "/frozen", base + "/ref", steps);
+  EXPECT_EQ(steps_lost(base + "/frozen", steps), 0);
+  check_row("12-bit-flip-frozen-shard",
+            {"--inject bit-flip-frozen@3", "CPU, 2 ranks sharded (Gloo)", detected_by(fm[0]),
+             steps_text(fm[0]["step"].get<int64_t>() - 3),
+             "every rank rolls back to step-2; the frozen shards are reloaded from the model",
+             std::to_string(fm[0]["step"].get<int64_t>() - 1 - 2), "0",
+             std::to_string(steps_lost(base + "/frozen", steps)),
+             "bitwise equal to a clean 2-rank sharded run"});
+  check_row("11-bit-flip-shard",
+            {"--inject bit-flip@4:1", "CPU, 2 ranks sharded (Gloo)", detected_by(mm[0]),
+             steps_text(seen - at), "every rank rolls back to step-2, replaying the same batches",
+             std::to_string(seen - 1 - 2), "0", std::to_string(lost),
+             "bitwise equal to a clean 2-rank sharded run"});
 }

@@ -26,6 +26,7 @@ const std::vector<std::pair<FaultKind, std::string>>& kinds() {
   static const std::vector<std::pair<FaultKind, std::string>> k = {
       {FaultKind::NanGrad, "nan-grad"},
       {FaultKind::BitFlip, "bit-flip"},
+      {FaultKind::BitFlipFrozen, "bit-flip-frozen"},
       {FaultKind::LossSpike, "loss-spike"},
       {FaultKind::Kill, "kill"},
       {FaultKind::KillDuringSave, "kill-during-save"},

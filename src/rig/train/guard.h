@@ -23,7 +23,15 @@ class Communicator;
 
 // ---- fault injection -----------------------------------------------------------------------
 
-enum class FaultKind { NanGrad, BitFlip, LossSpike, Kill, KillDuringSave, CorruptCheckpoint };
+enum class FaultKind {
+  NanGrad,
+  BitFlip,
+  BitFlipFrozen,
+  LossSpike,
+  Kill,
+  KillDuringSave,
+  CorruptCheckpoint
+};
 
 struct Injection {
   FaultKind kind = FaultKind::NanGrad;

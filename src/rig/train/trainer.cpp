@@ -183,6 +183,25 @@ Tensor flip_target(std::vector<Param>& params) {
   fail("bit-flip: no trainable parameter to flip");
 }
 
+// What bit-flip-frozen hits: the first frozen matrix of a layer (a LoRA base weight), or this
+// rank's shard of the first frozen layer unit.
+Tensor frozen_flip_target(LlamaModel& model, const Sharded* shard) {
+  if (shard) {
+    auto shards = shard->frozen_shards();
+    size_t k = 0;
+    for (const auto& u : shard->units()) {
+      if (u.trainable) continue;
+      if (u.name.rfind("layer.", 0) == 0) return shards[k];
+      ++k;
+    }
+  } else {
+    for (auto& p : model.params())
+      if (!p.trainable && p.value.ndim() == 2 && p.name.find("layers.") != std::string::npos)
+        return p.value;
+  }
+  bad_input("bit-flip-frozen: the model has no frozen layer weights (use method: lora)");
+}
+
 // Sums a few floats over the ranks (on the communicator's device).
 void sum_over_ranks(dist::Communicator& comm, std::vector<float>& v) {
   Tensor t = Tensor::from_f32(v, {int64_t(v.size())});
@@ -780,6 +799,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     RankHealth mine;
     if (ddp) mine.hash = ops::hash64(weights());
     mine.implausible = ops::count_bad_values(weights(), kImplausibleWeight);
+    mine.changed = ops::hash64(frozen_weights()) != frozen_ref;
     HealthVerdict v = judge_health(gather_health(comm, mine), ddp != nullptr, "frozen");
     if (v.ok) return std::nullopt;
     return v;
@@ -887,6 +907,11 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       auto [was, is] = flip_high_exponent_bit(target);
       if (!shard) model->refresh_compute_weights();
       note(fmt::format("rank {}: flipped a weight from {:g} to {:g}", rank, was, is));
+    }
+    if (fault(FaultKind::BitFlipFrozen)) {
+      Tensor target = frozen_flip_target(*model, shard.get());
+      auto [was, is] = flip_high_exponent_bit(target);
+      note(fmt::format("rank {}: flipped a frozen weight from {:g} to {:g}", rank, was, is));
     }
     const bool spike_fault = fault(FaultKind::LossSpike), nan_fault = fault(FaultKind::NanGrad),
                kill_fault = fault(FaultKind::Kill);

@@ -61,16 +61,26 @@ struct Data {
   RenderStats stats;
 };
 
+// The vocabulary the model will have, without loading its weights.
+int64_t model_vocab_size(const TrainConfig& cfg) {
+  json arch = cfg.init == "random" ? cfg.architecture_json() : json();
+  if (!arch.is_null()) return ModelConfig::from_json(arch, cfg.source + " architecture").vocab_size;
+  if (cfg.model.empty()) return 0;
+  return ModelConfig::load(cfg.model).vocab_size;
+}
+
 Data load_data(const TrainConfig& cfg, const Tokenizer& tok) {
   if (cfg.datasets.empty()) bad_input("{}: no datasets configured", cfg.source);
   std::vector<Sample> all;
   Data d;
+  const int64_t vocab = model_vocab_size(cfg);
   for (const auto& ds : cfg.datasets) {
     RenderOptions ro;
     ro.format = parse_data_format(ds.format.empty() ? "auto" : ds.format);
     ro.chat = parse_chat_template(ds.template_name.empty() || ds.template_name == "alpaca"
                                       ? "auto" : ds.template_name);
     ro.train_on_all = cfg.train_on_inputs;
+    ro.vocab_limit = vocab;
     RenderStats st;
     auto s = load_samples(ds.path, &tok, ro, &st);
     d.stats.records += st.records;
@@ -456,10 +466,10 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     bad_input("{}: the configuration differs from the one that wrote {}; resume with the run's own "
               "config.yaml or start a new output_dir", cfg.source, ckpt->dir);
   }
-  if (lead) save_run_config(cfg, run);
-
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
   Data data = load_data(cfg, tok);
+  // Written once the data has loaded: bad data stops the run before it leaves anything behind.
+  if (lead) save_run_config(cfg, run);
   auto model = build_model(cfg);
   // Frozen matrices turn bf16 on the host, so the device never holds their float32 copies.
   model->set_compute_dtype(precision == "bf16" ? DType::BF16 : DType::F32);

@@ -165,7 +165,10 @@ std::string rendered_dom(const std::string& html_path, std::string* why) {
     *why = "no chromium on PATH (scripts/setup.sh installs it)";
     return "";
   }
-  std::string profile = rig::test::temp_dir("chromium-profile");
+  // A profile per page: ctest -j runs these tests at once, and a shared one was wiped under
+  // the other browser.
+  std::string profile = rig::test::temp_dir("chromium-profile-" +
+                                            fs::path(html_path).parent_path().filename().string());
   std::string out = fs::path(html_path).parent_path().string() + "/dom.html";
   std::string cmd = "timeout 120 " + browser +
                     " --headless --no-sandbox --disable-gpu --disable-background-networking "

@@ -220,6 +220,24 @@ TEST(Report, SelfContainedPageWithData) {
   EXPECT_TRUE(fs::exists(run + "/other.html"));
 }
 
+TEST(Report, GuardEventsAreListedNotCharted) {
+  std::string run = rig::test::temp_dir("report_events");
+  {
+    rig::MetricsWriter w(run);
+    for (int64_t s = 1; s <= 6; ++s) w.log(step_metrics(s));
+    w.event("rollback", 6, {{"rule", "loss"}, {"value", 87.5}, {"to_step", 4}}, "rolled back");
+  }
+  // A rollback's rewind keeps the event, as a resume's truncation does.
+  EXPECT_EQ(rig::truncate_metrics_after(run + "/metrics.jsonl", 4), 2u);
+  std::string html = rig::render_report_html(run);
+  EXPECT_NE(html.find("<h2>Guard events</h2>"), std::string::npos);
+  EXPECT_NE(html.find("<td>rollback</td><td>rule loss; to_step 4; value 87.5</td>"),
+            std::string::npos)
+      << html;
+  EXPECT_EQ(html.find("chart-x-value"), std::string::npos);  // its numbers are not a curve
+  EXPECT_EQ(html.find("chart-x-to_step"), std::string::npos);
+}
+
 TEST(Report, ChromiumDrawsTheCharts) {
   std::string run = make_run("report_chromium");
   std::string path = rig::write_report(run);

@@ -274,7 +274,8 @@ const Tensor* LoadedCheckpoint::find(const std::string& name) const {
   return nullptr;
 }
 
-LoadedCheckpoint load_checkpoint(const std::string& dir) {
+namespace {
+LoadedCheckpoint load_checkpoint_unchecked(const std::string& dir) {
   fs::path d(dir);
   if (!fs::is_directory(d)) bad_input("{}: no such checkpoint folder", dir);
   std::string mpath = (d / kManifestFile).string();
@@ -316,6 +317,18 @@ LoadedCheckpoint load_checkpoint(const std::string& dir) {
     out.tensors.emplace_back(name, t);
   }
   return out;
+}
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::string& dir) {
+  // A manifest (or trainer state) of the wrong shape is bad input like any other: one line
+  // naming the folder, not a JSON library's internal error.
+  try {
+    return load_checkpoint_unchecked(dir);
+  } catch (const json::exception& e) {
+    bad_input("{}: manifest.json or trainer_state.json has an unexpected structure: {}", dir,
+              e.what());
+  }
 }
 
 // ---- verifying ----------------------------------------------------------------------

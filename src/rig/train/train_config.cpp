@@ -15,6 +15,7 @@
 #include "rig/core/tensor.h"
 #include "rig/io/atomic_file.h"
 #include "rig/model/config.h"
+#include "rig/text/tokenizer.h"
 #include "rig/train/guard.h"
 
 namespace rig {
@@ -685,6 +686,16 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
 
 TrainConfig parse_train_config(const std::string& text, const std::string& source,
                                const std::vector<std::string>& overrides) {
+  // Every string of a config ends up in config.json and the hash: it must be UTF-8.
+  size_t bad = 0;
+  if (!utf8_valid(text, &bad)) {
+    const size_t line = size_t(std::count(text.begin(), text.begin() + long(bad), '\n')) + 1;
+    const size_t bol = text.rfind('\n', bad == 0 ? 0 : bad - 1);
+    const size_t col = bad - (bol == std::string::npos || bad == 0 ? 0 : bol + 1) + 1;
+    bad_input("{}:{}:{}: not valid UTF-8", source, line, col);
+  }
+  for (const auto& o : overrides)
+    if (!utf8_valid(o)) bad_input("{}: --set '{}': not valid UTF-8", source, o);
   Ctx ctx;
   ctx.source = source;
   YAML::Node root;

@@ -24,6 +24,19 @@ struct Opts {
 };
 
 int run(const Opts& o) {
+  // Sizes are checked here, so a bad flag is one line naming it (not an internal check deep in
+  // tensor allocation), and no run of zero steps prints a rate of 0/0.
+  for (auto [flag, v] : {std::pair{"--steps", o.steps},
+                         {"--batch", o.batch},
+                         {"--seq", o.seq},
+                         {"--hidden", o.hidden},
+                         {"--layers", o.layers},
+                         {"--heads", o.heads},
+                         {"--kv-heads", o.kv_heads},
+                         {"--intermediate", o.inter},
+                         {"--vocab", o.vocab},
+                         {"--lora-r", int64_t(o.lora_r)}})
+    if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
   std::unique_ptr<rig::LlamaModel> m;
   const bool qlora = o.method == "qlora";
   if (!o.model.empty()) {

@@ -21,7 +21,7 @@ void on_signal(int sig) {
 
 struct Opts {
   std::string config, output, resume;
-  std::vector<std::string> set;
+  std::vector<std::string> set, inject;
   bool quiet = false;
   rig::cli::LaunchFlags launch;
 };
@@ -41,6 +41,11 @@ int run(const Opts& o) {
   }
   if (!o.output.empty()) overrides.push_back("output_dir=" + o.output);
   rig::TrainConfig cfg = rig::load_train_config(config, overrides);
+  // Injected faults belong to the command that asked for them: a resumed run does not replay the
+  // ones its config.yaml records (a kill would kill it again), only those given now.
+  if (!o.resume.empty()) cfg.inject.clear();
+  cfg.inject.insert(cfg.inject.end(), o.inject.begin(), o.inject.end());
+  cfg.validate();
   // The config is checked once here, before any worker starts.
   if (o.launch.wants_launch()) return o.launch.relaunch();
   std::signal(SIGINT, on_signal);
@@ -55,6 +60,9 @@ int run(const Opts& o) {
     return 130;
   }
   fmt::print("trained {} steps; final loss {:.4f}", r.steps, r.final_loss);
+  if (r.skipped_steps > 0 || r.rollbacks > 0)
+    fmt::print(" ({} step(s) skipped, {} rollback(s); see metrics.jsonl)", r.skipped_steps,
+               r.rollbacks);
   if (r.eval_loss >= 0) fmt::print(", held-out loss {:.4f}", r.eval_loss);
   fmt::print("\n");
   if (r.exact_match >= 0) {
@@ -70,6 +78,10 @@ rig::cli::Registrar reg("train", "Train a model (full or LoRA) from a YAML confi
   app.add_option("config", o->config, "training config (YAML)");
   app.add_option("--set", o->set, "override a key: --set lora.r=8 (repeatable)");
   app.add_option("--output", o->output, "run folder (overrides output_dir)");
+  app.add_option("--inject", o->inject,
+                 "inject a fault: KIND@STEP[:RANK], KIND one of nan-grad, bit-flip, "
+                 "bit-flip-frozen, loss-spike, kill, kill-during-save, corrupt-checkpoint "
+                 "(repeatable; docs/reliability.md)");
   app.add_option("--resume", o->resume, "continue the run in this folder from its last checkpoint");
   app.add_flag("--quiet", o->quiet, "no progress display");
   o->launch.add(app);

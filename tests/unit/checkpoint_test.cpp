@@ -162,6 +162,22 @@ TEST(Checkpoint, CorruptTrainerStateIsCaught) {
   EXPECT_THROW(rig::load_checkpoint(dir), rig::InputError);
 }
 
+TEST(Checkpoint, ManifestOfTheWrongShapeIsBadInputNotAnInternalError) {
+  // Found by fuzz_checkpoint_manifest: a manifest whose 'files' lacks trainer_state.json made
+  // load_checkpoint throw the JSON library's out_of_range.
+  std::string run = rig::test::temp_dir("ckpt_manifest_shape");
+  std::string dir = rig::save_checkpoint(run, 3, small_set(), state_for(3));
+  json m = json::parse(rig::read_file(dir + "/manifest.json"));
+  m["files"].erase("trainer_state.json");
+  { std::ofstream(dir + "/manifest.json") << m.dump(); }
+  try {
+    rig::load_checkpoint(dir);
+    FAIL() << "loaded a checkpoint whose manifest lacks trainer_state.json";
+  } catch (const rig::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + ": manifest.json"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Checkpoint, NaNInfAndHugeValuesAreNamed) {
   std::string run = rig::test::temp_dir("ckpt_nan");
   Tensors t = small_set();

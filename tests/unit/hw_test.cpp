@@ -642,6 +642,8 @@ std::string write_run(const std::string& name) {
               {"note", "x"}}
              .dump()
       << "\n";
+  // A guard event with numbers of its own: not a point of the curves.
+  m << json{{"event", "rollback"}, {"step", 3}, {"value", 9.5}, {"to_step", 1}}.dump() << "\n";
   m << "{\"step\": 4, \"loss\":";  // a line being written
   return dir;
 }

@@ -165,7 +165,10 @@ std::string rendered_dom(const std::string& html_path, std::string* why) {
     *why = "no chromium on PATH (scripts/setup.sh installs it)";
     return "";
   }
-  std::string profile = rig::test::temp_dir("chromium-profile");
+  // A profile per page: ctest -j runs these tests at once, and a shared one was wiped under
+  // the other browser.
+  std::string profile = rig::test::temp_dir("chromium-profile-" +
+                                            fs::path(html_path).parent_path().filename().string());
   std::string out = fs::path(html_path).parent_path().string() + "/dom.html";
   std::string cmd = "timeout 120 " + browser +
                     " --headless --no-sandbox --disable-gpu --disable-background-networking "
@@ -215,6 +218,24 @@ TEST(Report, SelfContainedPageWithData) {
   auto out = rig::test::run_rig("report " + run + " --out " + run + "/other.html");
   EXPECT_EQ(out.code, 0);
   EXPECT_TRUE(fs::exists(run + "/other.html"));
+}
+
+TEST(Report, GuardEventsAreListedNotCharted) {
+  std::string run = rig::test::temp_dir("report_events");
+  {
+    rig::MetricsWriter w(run);
+    for (int64_t s = 1; s <= 6; ++s) w.log(step_metrics(s));
+    w.event("rollback", 6, {{"rule", "loss"}, {"value", 87.5}, {"to_step", 4}}, "rolled back");
+  }
+  // A rollback's rewind keeps the event, as a resume's truncation does.
+  EXPECT_EQ(rig::truncate_metrics_after(run + "/metrics.jsonl", 4), 2u);
+  std::string html = rig::render_report_html(run);
+  EXPECT_NE(html.find("<h2>Guard events</h2>"), std::string::npos);
+  EXPECT_NE(html.find("<td>rollback</td><td>rule loss; to_step 4; value 87.5</td>"),
+            std::string::npos)
+      << html;
+  EXPECT_EQ(html.find("chart-x-value"), std::string::npos);  // its numbers are not a curve
+  EXPECT_EQ(html.find("chart-x-to_step"), std::string::npos);
 }
 
 TEST(Report, ChromiumDrawsTheCharts) {

@@ -66,6 +66,33 @@ void check_references(const rig::Tokenizer& tok, const std::string& fixture) {
   EXPECT_EQ(batch, want);
 }
 
+TEST(Tokenizer, IdsOutOfRangeNameTheKey) {
+  // Found by fuzz_tokenizer_json: an id of 9999999999991 wrapped to a 32-bit id and the id table
+  // was sized for it (std::bad_alloc).
+  auto error = [](const std::string& vocab, const std::string& added = "[]") {
+    try {
+      rig::Tokenizer::from_json(R"({"model": {"type": "BPE", "vocab": )" + vocab +
+                                    R"(, "merges": []}, "added_tokens": )" + added + "}",
+                                "tok.json");
+    } catch (const rig::InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(error(R"({"a": 0, "[": 9999999999991})")
+                .find("tok.json: model.vocab['[']: id 9999999999991 is far beyond"),
+            std::string::npos)
+      << error(R"({"a": 0, "[": 9999999999991})");
+  EXPECT_NE(error(R"({"a": -1})").find("model.vocab['a']: negative id -1"), std::string::npos);
+  EXPECT_NE(error(R"({"a": "zero"})").find("model.vocab['a']: expected an integer id"),
+            std::string::npos);
+  EXPECT_NE(
+      error(R"({"a": 0})", R"([{"id": 4294967297, "content": "<x>"}])").find("added_tokens[0]: id"),
+      std::string::npos)
+      << error(R"({"a": 0})", R"([{"id": 4294967297, "content": "<x>"}])");
+  EXPECT_EQ(error(R"({"a": 0, "b": 1})"), "accepted");
+}
+
 TEST(Tokenizer, Llama3MatchesHuggingFace) {
   REQUIRE_TOKENIZER(tok, "llama3");
   check_references(*tok, rig::test::data_path("tokenizer/tok_llama3_public.json"));

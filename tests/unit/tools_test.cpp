@@ -51,3 +51,29 @@ TEST(Tools, GenerateAndEvalOnTheDemoTokenizer) {
   double loss = std::stod(r.out.substr(r.out.find("loss ") + 5));
   EXPECT_NEAR(loss, std::log(264.0), 0.5) << r.out;
 }
+
+TEST(Tools, BenchTrainRejectsSizesBelowOne) {
+  // No timed steps would divide 0 tokens by 0 seconds; a negative size would reach the tensor
+  // allocator. Both are one line naming the flag, and a non-zero exit.
+  const std::vector<std::pair<std::string, std::string>> tiny = {
+      {"--hidden", "32"},  {"--layers", "1"},        {"--heads", "2"},
+      {"--kv-heads", "1"}, {"--intermediate", "64"}, {"--vocab", "64"},
+      {"--batch", "1"},    {"--seq", "8"},           {"--steps", "1"}};
+  auto args = [&](const std::string& flag, const std::string& value) {
+    std::string a = "bench train";
+    for (const auto& [f, v] : tiny) a += " " + f + " " + (f == flag ? value : v);
+    return a;
+  };
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--steps", "0"}, {"--seq", "-5"}, {"--batch", "0"}, {"--layers", "0"}}) {
+    auto r = test::run_rig(args(flag, value));
+    EXPECT_NE(r.code, 0) << flag << ": " << r.out;
+    EXPECT_NE(r.out.find("rig: " + flag + " must be at least 1, found " + value), std::string::npos)
+        << flag << ": " << r.out;
+    EXPECT_EQ(r.out.find("nan"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find(".cpp"), std::string::npos) << "an internal check: " << r.out;
+  }
+  auto ok = test::run_rig(args("", ""));
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_NE(ok.out.find("tokens/s"), std::string::npos) << ok.out;
+}

@@ -169,6 +169,26 @@ TEST(TrainConfig, UnknownKeyNamesLineAndSuggests) {
   EXPECT_NE(e.find("did you mean 'datasets.0.format'"), std::string::npos) << e;
 }
 
+TEST(TrainConfig, InvalidUtf8IsNamedByLineAndColumn) {
+  // Found by fuzz_train_yaml: a byte that is not UTF-8 inside a string was accepted, and writing
+  // the resolved config.json failed with the JSON library's error.
+  try {
+    parse_train_config(
+        "datasets: [d.jsonl]\nmodel: \"m\xb6"
+        "del\"\n",
+        "cfg.yaml");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_STREQ(e.what(), "cfg.yaml:2:10: not valid UTF-8");
+  }
+  try {
+    parse_train_config(kMinimal, "cfg.yaml", {"model=m\xb6"});
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--set"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TrainConfig, WrongTypesNameTheKey) {
   std::string e = error_of(std::string(kMinimal) + "lora_r: eight\n");
   EXPECT_NE(e.find("cfg.yaml:6"), std::string::npos) << e;

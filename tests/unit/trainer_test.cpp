@@ -189,6 +189,11 @@ TEST(Trainer, DemoLearnsTheHeldOutTask) {
   EXPECT_EQ(em.front(), 0.0);  // the random model solves nothing
   EXPECT_GT(r.exact_match, 0.5);
   EXPECT_LT(r.eval_loss, 0.5);
+  // The guard (on by default) saw nothing to skip, roll back or reject in a healthy run.
+  for (const auto& row : read_metrics(out + "/metrics.jsonl").rows)
+    EXPECT_FALSE(row.contains("event")) << row.dump();
+  EXPECT_EQ(r.skipped_steps, 0);
+  EXPECT_EQ(r.rollbacks, 0);
 }
 
 TEST(Trainer, BadConfigAndDataAreClearErrors) {
@@ -202,6 +207,27 @@ TEST(Trainer, BadConfigAndDataAreClearErrors) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("bad.jsonl:"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(dir + "/run/final"));
+}
+
+TEST(Trainer, PretokenizedIdOutsideTheVocabularyIsCaughtAtLoad) {
+  // Row 1 of a pre-tokenized file holds id 300; the demo model's vocabulary is 264. The error
+  // names the file, the row and the column before the run folder gets a config or metrics.
+  const std::string dir = test::temp_dir("badtokens");
+  Tensor t = Tensor::empty({3, 4}, DType::I64);
+  const int64_t v[] = {5, 6, 7, 8, 9, 300, 11, -1, 12, 13, 14, 15};
+  std::copy(v, v + 12, t.data<int64_t>());
+  save_safetensors(dir + "/tokens.safetensors", {{"tokens", t}});
+  auto r = test::run_rig(
+      "train " + kDemo + " --quiet --output " + dir + "/run --set 'datasets=[{path: " + dir +
+      "/tokens.safetensors, format: tokens}]' --set tokenizer=" + RIG_SOURCE_DIR +
+      "/data/demo/tokenizer.json");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("tokens.safetensors: tensor 'tokens' row 1 column 1: id 300 is outside the "
+                       "model's vocabulary (vocab_size 264)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_FALSE(fs::exists(dir + "/run/config.yaml"));
+  EXPECT_FALSE(fs::exists(dir + "/run/metrics.jsonl"));
 }
 
 TEST(Trainer, GpuTelemetryInMetricsAndThermalPause) {

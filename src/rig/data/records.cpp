@@ -188,7 +188,7 @@ void parallel_for(size_t n, int threads, F&& f) {
   if (err) std::rethrow_exception(err);
 }
 
-std::vector<Sample> load_tokens(const std::string& path, RenderStats& st) {
+std::vector<Sample> load_tokens(const std::string& path, RenderStats& st, int64_t vocab_limit) {
   auto f = SafeTensorsFile::open(path);
   if (!f.has("tokens")) bad_input("{}: tensor 'tokens' missing (expected I32 or I64 [rows, T])", path);
   Tensor t = f.get("tokens");
@@ -205,8 +205,14 @@ std::vector<Sample> load_tokens(const std::string& path, RenderStats& st) {
       s.ids.push_back(int32_t(v));
     }
     while (!s.ids.empty() && s.ids.back() < 0) s.ids.pop_back();  // negative tail = padding
-    for (size_t c = 0; c < s.ids.size(); ++c)
+    for (size_t c = 0; c < s.ids.size(); ++c) {
       if (s.ids[c] < 0) bad_input("{}: tensor 'tokens' row {} column {}: negative id {} before the end", path, r, c, s.ids[c]);
+      if (vocab_limit > 0 && s.ids[c] >= vocab_limit)
+        bad_input(
+            "{}: tensor 'tokens' row {} column {}: id {} is outside the model's vocabulary "
+            "(vocab_size {})",
+            path, r, c, s.ids[c], vocab_limit);
+    }
     ++st.records;
     if (s.ids.size() < 2) {  // nothing to predict
       ++st.invalid;
@@ -290,7 +296,7 @@ std::vector<Sample> load_samples(const std::string& path, const Tokenizer* tok,
   DataFormat fmt = opt.format == DataFormat::Auto ? detect_data_format(path) : opt.format;
   std::vector<Sample> samples;
   if (fmt == DataFormat::Tokens) {
-    samples = load_tokens(path, st);
+    samples = load_tokens(path, st, opt.vocab_limit);
   } else {
     if (!tok) bad_input("{}: a tokenizer is needed for the {} format", path, data_format_name(fmt));
     Specials sp = find_specials(*tok);

@@ -56,6 +56,9 @@ struct RenderOptions {
   bool train_on_all = false;
   bool skip_invalid = false;  // count and skip bad records instead of failing on the first
   int threads = 0;            // tokenization threads (0: all)
+  // Pre-tokenized data: every id must be below this (the model's vocab_size), checked at load so
+  // the error names the file and the row; 0: not checked.
+  int64_t vocab_limit = 0;
 };
 
 struct RenderStats {

@@ -133,9 +133,14 @@ Check ecc_check(const GpuInfo& g, const GpuSample& s) {
   Check c{"ecc", g.index, Verdict::ok, ""};
   if (!s.ecc_uncorrected && !s.ecc_corrected) {
     c.verdict = Verdict::skip;
+    // What rig train's guard really does about it (docs/reliability.md), and what it cannot.
     c.detail =
-        "no ECC on this card: rig's checkpoint checksums and loss-spike rollback are the guard "
-        "against bit flips";
+        "no ECC on this card: memory bit flips go unreported. rig train's guard skips steps with "
+        "NaN/Inf gradients, rolls back to the last verified checkpoint on a loss or gradient-norm "
+        "spike or a NaN/Inf/huge weight, compares data-parallel replicas' parameter hashes every "
+        "guard.replica_check_every steps and before each checkpoint, and verifies checkpoint "
+        "checksums before resuming; a flip that changes a value only slightly on a single GPU goes "
+        "unnoticed";
     return c;
   }
   uint64_t unc = s.ecc_uncorrected.value_or(0), cor = s.ecc_corrected.value_or(0);

@@ -360,6 +360,7 @@ json read_run_metrics(const std::string& run_dir, size_t max_points) {
     if (line.empty()) continue;
     json j = json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object()) continue;  // a line being written right now
+    if (j.contains("event")) continue;                 // the guard's events are not curves
     json p = json::object();
     for (auto& [k, v] : j.items())
       if (v.is_number()) {

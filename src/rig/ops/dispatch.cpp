@@ -100,4 +100,33 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   RIG_DISPATCH_AS("optimizer", param, adamw_step(param, grad, m, v, h));
 }
 
+namespace {
+// The guard's list ops run where the first tensor lives; every other one must be there too.
+Device list_device(const std::vector<Tensor>& ts, const char* op) {
+  Device d = Device::cpu();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    RIG_CHECK(ts[i].defined(), "{}: tensor {} of the list is undefined", op, i);
+    if (i == 0) d = ts[i].device();
+    RIG_CHECK(ts[i].device() == d, "{}: tensor {} is on {}, the first on {}", op, i,
+              ts[i].device().str(), d.str());
+  }
+  return d;
+}
+}  // namespace
+
+int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs) {
+  [[maybe_unused]] const Device d = list_device(ts, "count_bad_values");
+#ifdef RIG_WITH_CUDA
+  if (d.is_cuda()) return cuda::count_bad_values(ts, max_abs);
+#endif
+  return cpu::count_bad_values(ts, max_abs);
+}
+uint64_t hash64(const std::vector<Tensor>& ts) {
+  [[maybe_unused]] const Device d = list_device(ts, "hash64");
+#ifdef RIG_WITH_CUDA
+  if (d.is_cuda()) return cuda::hash64(ts);
+#endif
+  return cpu::hash64(ts);
+}
+
 }  // namespace rig::ops

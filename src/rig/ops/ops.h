@@ -2,6 +2,8 @@
 // on the device of its tensors to ops/cpu (float32, the oracle) or ops/cuda (bf16 activations,
 // fp32 accumulation). Tensors are contiguous; activations are [rows, features] with rows = B*T.
 #pragma once
+#include <vector>
+
 #include "rig/core/tensor.h"
 
 namespace rig::ops {
@@ -67,5 +69,20 @@ struct AdamWParams {
   int64_t step;
 };
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+
+// The training guard's checks (docs/reliability.md). Each reads a list of tensors where they live
+// (all on one device) and returns one number: on CUDA one kernel per tensor accumulates into a
+// device word that is read back once, so the weights or gradients never travel to the host.
+//
+// Elements that are NaN or Inf, or whose magnitude is above max_abs when max_abs > 0, summed over
+// the float tensors of the list (F32 and BF16; on the CPU also F16 and F64); integer tensors
+// have none.
+int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs = 0);
+inline bool all_finite(const std::vector<Tensor>& ts) {
+  return count_bad_values(ts) == 0;
+}
+// A 64-bit hash of the tensors' bytes, sensitive to their order in the list and to every bit
+// (definition in ops/guard_hash.h); the CPU and CUDA backends give the same value.
+uint64_t hash64(const std::vector<Tensor>& ts);
 
 }  // namespace rig::ops

@@ -19,7 +19,10 @@ double grad_norm(const std::vector<Param>& params) {
 }
 
 double AdamW::clip_and_step(std::vector<Param>& params, float lr) {
-  const double norm = grad_norm(params);
+  return clip_and_step(params, lr, grad_norm(params));
+}
+
+double AdamW::clip_and_step(std::vector<Param>& params, float lr, double norm) {
   if (cfg_.max_grad_norm > 0) {
     float coef = float(cfg_.max_grad_norm / (float(norm) + 1e-6f));
     if (coef < 1.0f)

@@ -22,6 +22,8 @@ class AdamW {
   // Clips the global gradient norm, then updates every trainable parameter. Returns the norm
   // before clipping.
   double clip_and_step(std::vector<Param>& params, float lr);
+  // The same with the norm already known (the guard reads it before deciding to step).
+  double clip_and_step(std::vector<Param>& params, float lr, double norm);
   int64_t steps() const { return step_; }
 
   // Optimizer state for checkpoints: "adamw.m.<param>", "adamw.v.<param>" and the step count.

@@ -1013,9 +1013,23 @@ Tokenizer Tokenizer::from_json(const std::string& text, const std::string& name)
     if (!vocab.is_object()) bad_input("{}: model.vocab: expected an object", name);
     int32_t max_id = -1;
     t.vocab.reserve(vocab.size());
+    // Ids index a table as large as the largest one: read them whole (get<int32_t> would wrap a
+    // large one silently) and refuse ids far beyond the number of tokens.
+    const json& added_list = j.value("added_tokens", json::array());
+    const int64_t limit = 4 * int64_t(vocab.size() + added_list.size()) + 4096;
+    auto id_of = [&](const json& v, const std::string& where) {
+      if (!v.is_number_integer()) bad_input("{}: expected an integer id, got {}", where, v.dump());
+      const int64_t id = v.get<int64_t>();
+      if (id < 0) bad_input("{}: negative id {}", where, id);
+      if (id >= limit)
+        bad_input(
+            "{}: id {} is far beyond the {} tokens of this file (ids of a vocabulary are "
+            "0, 1, 2, ...)",
+            where, id, vocab.size());
+      return int32_t(id);
+    };
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-      int32_t id = it.value().get<int32_t>();
-      if (id < 0) bad_input("{}: model.vocab['{}']: negative id {}", name, it.key(), id);
+      int32_t id = id_of(it.value(), fmt::format("{}: model.vocab['{}']", name, it.key()));
       t.vocab.emplace(it.key(), id);
       max_id = std::max(max_id, id);
     }
@@ -1024,8 +1038,8 @@ Tokenizer Tokenizer::from_json(const std::string& text, const std::string& name)
       const json& a = added[i];
       std::string where = fmt::format("{}: added_tokens[{}]", name, i);
       AddedToken tok;
-      tok.id = a.value("id", -1);
-      if (tok.id < 0) bad_input("{}: missing or bad 'id'", where);
+      if (!a.is_object() || !a.contains("id")) bad_input("{}: missing 'id'", where);
+      tok.id = id_of(a["id"], where + ": id");
       tok.content = jstr(a, "content", where);
       if (tok.content.empty()) bad_input("{}: empty content", where);
       tok.special = jbool(a, "special", false);

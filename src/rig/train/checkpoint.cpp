@@ -155,7 +155,8 @@ ValueStats value_stats(const Tensor& t) {
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
                             const json& state, int64_t keep_last,
-                            const std::vector<std::string>& extra_files) {
+                            const std::vector<std::string>& extra_files,
+                            const std::function<void()>& before_manifest) {
   if (step < 0) bad_input("save_checkpoint: step {} is negative", step);
   if (!state.is_object()) bad_input("save_checkpoint: the trainer state must be a JSON object");
   fs::path root = fs::path(run_dir) / "checkpoints";
@@ -209,6 +210,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
     std::string p = (tmp / name).string();
     m["files"][name] = {{"bytes", fs::file_size(p)}, {"xxh3", xxh3_file_hex(p)}};
   }
+  if (before_manifest) before_manifest();
   write_file_atomic((tmp / kManifestFile).string(), m.dump(1) + "\n");
   fsync_dir(tmp.string());
 
@@ -272,7 +274,8 @@ const Tensor* LoadedCheckpoint::find(const std::string& name) const {
   return nullptr;
 }
 
-LoadedCheckpoint load_checkpoint(const std::string& dir) {
+namespace {
+LoadedCheckpoint load_checkpoint_unchecked(const std::string& dir) {
   fs::path d(dir);
   if (!fs::is_directory(d)) bad_input("{}: no such checkpoint folder", dir);
   std::string mpath = (d / kManifestFile).string();
@@ -314,6 +317,18 @@ LoadedCheckpoint load_checkpoint(const std::string& dir) {
     out.tensors.emplace_back(name, t);
   }
   return out;
+}
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::string& dir) {
+  // A manifest (or trainer state) of the wrong shape is bad input like any other: one line
+  // naming the folder, not a JSON library's internal error.
+  try {
+    return load_checkpoint_unchecked(dir);
+  } catch (const json::exception& e) {
+    bad_input("{}: manifest.json or trainer_state.json has an unexpected structure: {}", dir,
+              e.what());
+  }
 }
 
 // ---- verifying ----------------------------------------------------------------------

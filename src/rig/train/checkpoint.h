@@ -8,6 +8,7 @@
 // leaves either the previous checkpoints or a dot-folder that nothing reads as complete.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -25,11 +26,13 @@ inline constexpr const char* kCheckpointFormat = "rig-checkpoint/1";
 // complete checkpoints beyond that count (0 keeps all). Leftover .step-*.tmp folders of killed
 // writers are removed. Only one process (rank 0) may save into a run folder at a time.
 // `extra_files` (written already, e.g. by every rank of a sharded run, under a .step-N.* folder)
-// are moved into the checkpoint and covered by the manifest.
+// are moved into the checkpoint and covered by the manifest. `before_manifest`, when set, runs
+// after the data files are written and before the manifest (fault injection kills there).
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
                             const nlohmann::json& state, int64_t keep_last = 0,
-                            const std::vector<std::string>& extra_files = {});
+                            const std::vector<std::string>& extra_files = {},
+                            const std::function<void()>& before_manifest = {});
 
 struct CheckpointRef {
   int64_t step = 0;

@@ -111,6 +111,24 @@ void MetricsWriter::log_eval(int64_t step, double eval_loss, const json& extra) 
   note(fmt::format("step {} eval_loss {:.4f}", step, eval_loss));
 }
 
+void MetricsWriter::event(const std::string& name, int64_t step, const json& fields,
+                          const std::string& text) {
+  json j = {{"event", name}, {"step", step}};
+  if (fields.is_object())
+    for (auto& [k, v] : fields.items()) j[k] = v;
+  j["time"] = unix_now();
+  write_line(j);
+  note(text);
+}
+
+size_t MetricsWriter::rewind(int64_t step) {
+  std::fclose(metrics_);
+  metrics_ = nullptr;
+  const size_t dropped = truncate_metrics_after(metrics_path_, step);
+  metrics_ = open_append(metrics_path_);
+  return dropped;
+}
+
 void MetricsWriter::note(const std::string& text) {
   std::string s = fmt::format("[{}] {}\n", timestamp(), text);
   if (std::fwrite(s.data(), 1, s.size(), log_) != s.size() || std::fflush(log_) != 0)
@@ -143,7 +161,8 @@ size_t truncate_metrics_after(const std::string& path, int64_t step) {
   while (std::getline(in, line)) {
     json j = json::parse(line, nullptr, false);
     bool later = !j.is_discarded() && j.is_object() && j.contains("step") &&
-                 j["step"].is_number() && j["step"].get<double>() > double(step);
+                 j["step"].is_number() && j["step"].get<double>() > double(step) &&
+                 !j.contains("event");
     // A torn line is dropped too: it would otherwise glue onto the next line written.
     if (later || j.is_discarded()) {
       dropped += line.find_first_not_of(" \t\r") != std::string::npos;

@@ -39,6 +39,13 @@ class MetricsWriter {
   void log_eval(int64_t step, double eval_loss, const nlohmann::json& extra = nlohmann::json::object());
   // A line of text in train.log only ("saved checkpoint step-100", "rolled back to step 80").
   void note(const std::string& text);
+  // What the guard saw or did: {"event": name, "step": step, ...fields, "time"} in metrics.jsonl
+  // and `text` in train.log. Event lines outlive truncate_metrics_after: they are the run's
+  // history, not its curve.
+  void event(const std::string& name, int64_t step, const nlohmann::json& fields,
+             const std::string& text);
+  // After a rollback to `step`: drops the step lines past it (events stay), as a resume does.
+  size_t rewind(int64_t step);
 
   const std::string& metrics_path() const { return metrics_path_; }
   const std::string& log_path() const { return log_path_; }
@@ -58,7 +65,8 @@ struct MetricsFile {
 // Throws InputError when the file cannot be read.
 MetricsFile read_metrics(const std::string& path);
 
-// Drops lines whose "step" is above `step` (atomically rewritten); returns how many went.
+// Drops lines whose "step" is above `step` (atomically rewritten), except event lines (those
+// with an "event" field); returns how many went.
 size_t truncate_metrics_after(const std::string& path, int64_t step);
 
 }  // namespace rig

@@ -21,6 +21,7 @@ using json = nlohmann::json;
 // One weight matrix's gradient under PowerSGD: the warm-started Q and the error feedback.
 struct DataParallel::Compressed {
   Tensor grad, q, error;  // grad [n, m], q [m, r], error [n, m]
+  Tensor q0;              // the seeded start of q
 };
 
 DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t bucket_bytes,
@@ -50,6 +51,7 @@ DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t b
         Tensor q = Tensor::empty({gr.dim(1), rank_}, DType::F32, Device::cpu(), "powersgd q");
         for (int64_t k = 0; k < q.numel(); ++k) q.f32()[k] = normal(rng);
         c.q = q.to(gr.device(), "powersgd q");
+        c.q0 = q.to(gr.device(), "powersgd q start");
         c.error = Tensor::zeros(gr.shape(), DType::F32, gr.device(), "powersgd error");
         compressed_.push_back(std::move(c));
         continue;
@@ -63,6 +65,13 @@ DataParallel::DataParallel(dist::Communicator& comm, LlamaModel& model, size_t b
 }
 
 DataParallel::~DataParallel() = default;
+
+void DataParallel::reset_compression() {
+  for (auto& c : compressed_) {
+    c.error.zero_();
+    c.q.copy_from(c.q0);
+  }
+}
 
 void DataParallel::after(int group, Phase phase) {
   if (!sync_ || phase != Backward || !buckets_) return;
@@ -254,6 +263,13 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
 }
 
 Sharded::~Sharded() = default;
+
+std::vector<Tensor> Sharded::frozen_shards() const {
+  std::vector<Tensor> out;
+  for (const auto& u : state_)
+    if (u->param < 0) out.push_back(u->shard);
+  return out;
+}
 
 void Sharded::zero_grad() {
   finish();

@@ -37,6 +37,9 @@ class DataParallel : public StepHooks {
   // Waits for every bucket: the gradients are then the sums over all ranks.
   void finish();
   size_t num_buckets() const { return buckets_ ? buckets_->num_buckets() : 0; }
+  // PowerSGD's error feedback and warm start back to their first state (zero, the seeded start):
+  // after a skipped step whose gradients were not finite, and after a rollback.
+  void reset_compression();
 
  private:
   struct Compressed;
@@ -67,6 +70,8 @@ class Sharded : public StepHooks {
   // The trainable shards, one Param per unit, named by the unit: what the optimizer steps.
   std::vector<Param>& params() { return shard_params_; }
   const std::vector<FlatUnit>& units() const { return units_; }
+  // This rank's shards of the frozen units (LoRA base weights): nothing writes them after start.
+  std::vector<Tensor> frozen_shards() const;
   void zero_grad();
   // The global gradient norm (as clip_grad_norm_ over all ranks' shards) and the clipping.
   double clip_grad_norm(float max_norm);

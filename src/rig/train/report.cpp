@@ -183,7 +183,13 @@ std::string render_report_html(const std::string& run_dir) {
   json rows = json::array();
   std::set<std::string> numeric;
   size_t nonfinite_loss = 0;
+  // The guard's event lines (skipped steps, rollbacks, ...) are listed, not charted.
+  std::vector<json> events;
   for (const auto& r : mf.rows) {
+    if (r.contains("event")) {
+      events.push_back(r);
+      continue;
+    }
     json o = json::object();
     for (auto& [k, v] : r.items()) {
       if (v.is_number()) numeric.insert(k);
@@ -210,6 +216,7 @@ std::string render_report_html(const std::string& run_dir) {
   int64_t tps_n = 0;
   double peak = 0;
   for (const auto& r : mf.rows) {
+    if (r.contains("event")) continue;
     auto step = number(r, "step");
     if (step) last_step = std::max(last_step, int64_t(*step));
     if (auto l = number(r, "loss")) {
@@ -262,7 +269,25 @@ std::string render_report_html(const std::string& run_dir) {
   h += "<h2>Summary</h2>\n<table class=\"summary\">\n";
   for (const auto& [k, v] : summary)
     h += fmt::format("<tr><th>{}</th><td class=\"num\">{}</td></tr>\n", html_escape(k), html_escape(v));
-  h += "</table>\n<h2>Curves</h2>\n<noscript><p class=\"warn\">The charts are drawn by an inline "
+  h += "</table>\n";
+  if (!events.empty()) {
+    // One line each: the step, the event and its fields (docs/reliability.md lists them).
+    h += "<h2>Guard events</h2>\n<table class=\"events\"><tr><th>step</th><th>event</th>"
+         "<th>details</th></tr>\n";
+    for (const auto& e : events) {
+      std::string details;
+      for (auto& [k, v] : e.items()) {
+        if (k == "event" || k == "step" || k == "time") continue;
+        details += (details.empty() ? "" : "; ") + k + " " +
+                   (v.is_string() ? v.get<std::string>() : v.dump());
+      }
+      h += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>\n",
+                       html_escape(e.value("step", json()).dump()),
+                       html_escape(e.value("event", "")), html_escape(details));
+    }
+    h += "</table>\n";
+  }
+  h += "<h2>Curves</h2>\n<noscript><p class=\"warn\">The charts are drawn by an inline "
        "script; enable JavaScript to see them.</p></noscript>\n<div class=\"charts\">\n";
   for (const auto& c : charts)
     h += fmt::format("<figure class=\"chart\" id=\"{}\" data-series=\"{}\" data-scale=\"{}\">"

@@ -15,6 +15,8 @@
 #include "rig/core/tensor.h"
 #include "rig/io/atomic_file.h"
 #include "rig/model/config.h"
+#include "rig/text/tokenizer.h"
+#include "rig/train/guard.h"
 
 namespace rig {
 
@@ -617,6 +619,37 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
     t.finish();
   }
 
+  if (auto v = r.take("guard")) {
+    MapReader g(ctx, need_map(ctx, *v), "guard");
+    if (auto x = g.take("skip_nonfinite")) c.guard.skip_nonfinite = as_bool(ctx, *x);
+    if (auto x = g.take("max_skips_in_row")) c.guard.max_skips_in_row = as_int(ctx, *x);
+    if (auto x = g.take("rollback_on_spike")) c.guard.rollback_on_spike = as_bool(ctx, *x);
+    if (auto x = g.take("spike_window")) c.guard.spike_window = as_int(ctx, *x);
+    if (auto x = g.take("spike_warmup")) c.guard.spike_warmup = as_int(ctx, *x);
+    if (auto x = g.take("spike_k")) c.guard.spike_k = as_double(ctx, *x);
+    if (auto x = g.take("spike_loss_ratio")) c.guard.spike_loss_ratio = as_double(ctx, *x);
+    if (auto x = g.take("spike_grad_ratio")) c.guard.spike_grad_ratio = as_double(ctx, *x);
+    if (auto x = g.take("max_rollbacks")) c.guard.max_rollbacks = as_int(ctx, *x);
+    if (auto x = g.take("replica_check_every")) c.guard.replica_check_every = as_int(ctx, *x);
+    if (auto x = g.take("verify_checkpoints")) c.guard.verify_checkpoints = as_bool(ctx, *x);
+    g.finish();
+  }
+  if (auto v = r.take("inject")) {
+    // One spec or a list of them; each is checked here so a typo stops the run before it starts.
+    std::vector<Item> items;
+    if (v->value.IsSequence()) {
+      for (size_t i = 0; i < v->value.size(); ++i)
+        items.push_back({fmt::format("inject.{}", i), v->value[i], v->line, v->from_override});
+    } else {
+      items.push_back(*v);
+    }
+    for (const auto& it : items) {
+      std::string spec = as_string(ctx, it);
+      check_injection_spec(spec, where(ctx, it) + ": '" + it.path + "'");
+      c.inject.push_back(spec);
+    }
+  }
+
   // The rest.
   if (auto v = r.take("seed")) {
     int64_t s = as_int(ctx, *v);
@@ -654,6 +687,16 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
 
 TrainConfig parse_train_config(const std::string& text, const std::string& source,
                                const std::vector<std::string>& overrides) {
+  // Every string of a config ends up in config.json and the hash: it must be UTF-8.
+  size_t bad = 0;
+  if (!utf8_valid(text, &bad)) {
+    const size_t line = size_t(std::count(text.begin(), text.begin() + long(bad), '\n')) + 1;
+    const size_t bol = text.rfind('\n', bad == 0 ? 0 : bad - 1);
+    const size_t col = bad - (bol == std::string::npos || bad == 0 ? 0 : bol + 1) + 1;
+    bad_input("{}:{}:{}: not valid UTF-8", source, line, col);
+  }
+  for (const auto& o : overrides)
+    if (!utf8_valid(o)) bad_input("{}: --set '{}': not valid UTF-8", source, o);
   Ctx ctx;
   ctx.source = source;
   YAML::Node root;
@@ -764,6 +807,22 @@ void TrainConfig::validate() const {
        std::to_string(save.keep_last));
   if (precision == "bf16" && device == "cpu")
     bad_input("{}: 'precision: bf16' needs a CUDA device; the CPU backend computes in fp32", s);
+  need(guard.max_skips_in_row >= 1, "guard.max_skips_in_row", "must be at least 1",
+       std::to_string(guard.max_skips_in_row));
+  need(guard.spike_window >= 3, "guard.spike_window", "must be at least 3 steps",
+       std::to_string(guard.spike_window));
+  need(guard.spike_warmup >= 3 && guard.spike_warmup <= guard.spike_window, "guard.spike_warmup",
+       "must be 3 or more and at most guard.spike_window", std::to_string(guard.spike_warmup));
+  need(guard.spike_k > 0, "guard.spike_k", "must be more than 0", fmt::format("{}", guard.spike_k));
+  need(guard.spike_loss_ratio >= 1, "guard.spike_loss_ratio", "must be 1 or more",
+       fmt::format("{}", guard.spike_loss_ratio));
+  need(guard.spike_grad_ratio >= 1, "guard.spike_grad_ratio", "must be 1 or more",
+       fmt::format("{}", guard.spike_grad_ratio));
+  need(guard.max_rollbacks >= 0, "guard.max_rollbacks", "must be 0 or more",
+       std::to_string(guard.max_rollbacks));
+  need(guard.replica_check_every >= 0, "guard.replica_check_every", "must be 0 (off) or more",
+       std::to_string(guard.replica_check_every));
+  for (const auto& spec : inject) check_injection_spec(spec, s + ": 'inject'");
   if (output_dir.empty()) bad_input("{}: 'output_dir' is empty", s);
 }
 
@@ -839,6 +898,18 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
   j["eval"] = {{"every", eval.every}, {"split", eval.split}, {"batches", eval.batches}, {"generate", eval.generate}};
   j["save"] = {{"every", save.every}, {"keep_last", save.keep_last}};
   j["thermal"] = {{"pause_above_c", thermal.pause_above_c}, {"resume_below_c", thermal.resume_below_c}};
+  j["guard"] = {{"skip_nonfinite", guard.skip_nonfinite},
+                {"max_skips_in_row", guard.max_skips_in_row},
+                {"rollback_on_spike", guard.rollback_on_spike},
+                {"spike_window", guard.spike_window},
+                {"spike_warmup", guard.spike_warmup},
+                {"spike_k", guard.spike_k},
+                {"spike_loss_ratio", guard.spike_loss_ratio},
+                {"spike_grad_ratio", guard.spike_grad_ratio},
+                {"max_rollbacks", guard.max_rollbacks},
+                {"replica_check_every", guard.replica_check_every},
+                {"verify_checkpoints", guard.verify_checkpoints}};
+  j["inject"] = inject;
   j["seed"] = seed;
   j["deterministic"] = deterministic;
   j["device"] = device;
@@ -914,6 +985,10 @@ std::string TrainConfig::config_hash() const {
   j.erase("output_dir");
   j.erase("resume");
   j.erase("save");
+  // How the run guards itself and the faults injected to prove it: a run resumes whatever they
+  // are, and a clean run and an injected one are the same computation.
+  j.erase("guard");
+  j.erase("inject");
   // How ranks talk, not what they compute; compression does change it (and stays out when off,
   // so configs without it keep their hash).
   const int64_t psgd = j["dist"]["powersgd_rank"];

@@ -69,6 +69,31 @@ struct DistSettings {
   int64_t powersgd_rank = 0;  // data-parallel gradient compression; 0: off
 };
 
+// The training guard (docs/reliability.md): what is checked during a run and what it does about
+// it. Every check is on by default.
+struct GuardSettings {
+  // Skip an optimizer step whose loss or gradients hold NaN/Inf (weights, optimizer state and
+  // the schedule untouched, the batch consumed); stop after this many in a row.
+  bool skip_nonfinite = true;
+  int64_t max_skips_in_row = 5;
+  // Roll back to the last verified checkpoint when the loss or the gradient norm spikes: above
+  // the median of the last spike_window steps by spike_k robust deviations (1.4826 x MAD), and
+  // above spike_loss_ratio (loss) or spike_grad_ratio (gradient norm) times that median, once
+  // spike_warmup steps are in the window.
+  bool rollback_on_spike = true;
+  int64_t spike_window = 100;
+  int64_t spike_warmup = 20;
+  double spike_k = 8;
+  double spike_loss_ratio = 1.5;
+  double spike_grad_ratio = 10;
+  int64_t max_rollbacks = 3;  // per run; one more stops it for a human to look
+  // Compare the parameters of data-parallel replicas (sharded: each rank's shards against
+  // themselves) every this many steps and before every checkpoint; 0 turns it off.
+  int64_t replica_check_every = 100;
+  // Check a checkpoint (manifest, checksums, NaN/Inf) before resuming or rolling back to it.
+  bool verify_checkpoints = true;
+};
+
 struct TrainConfig {
   // Where the weights come from: a pretrained model folder, or random init of an architecture.
   std::string model;               // HF model folder (config.json + safetensors)
@@ -102,6 +127,10 @@ struct TrainConfig {
   EvalSettings eval;
   SaveSettings save;
   ThermalSettings thermal;
+  GuardSettings guard;
+  // Faults to inject, "KIND@STEP[:RANK]" (rig train --inject; docs/reliability.md). Recorded in
+  // the resolved config, left out of the config hash, and not replayed by rig train --resume.
+  std::vector<std::string> inject;
   uint64_t seed = 42;
   bool deterministic = false;  // bitwise-repeatable GPU kernels where faster ones are not
   std::string device = "auto";  // auto | cpu | cuda | cuda:N

@@ -22,6 +22,8 @@ struct TrainResult {
   double eval_loss = -1;      // -1: no held-out data
   double exact_match = -1;    // fraction of held-out samples generated exactly; -1: not measured
   bool interrupted = false;   // stopped by a signal after saving a checkpoint
+  int64_t skipped_steps = 0;  // optimizer steps the guard skipped (NaN/Inf), over the whole run
+  int64_t rollbacks = 0;      // times the guard went back to a checkpoint, over the whole run
   std::string output;         // the final adapter or model folder
   std::vector<std::string> samples;  // a few "prompt -> generated (expected)" lines
 };
@@ -35,6 +37,9 @@ struct TrainHooks {
   bool quiet = false;                 // no progress output (tests)
   // The ranks to train with (tests run ranks as threads); null: from the process environment.
   dist::Communicator* comm = nullptr;
+  // Tests: before optimizer step N (from 1) is computed, draw and drop this many global batches.
+  // A clean run that skipped the batches a guarded run skipped is the reference it must equal.
+  std::function<int64_t(int64_t step)> discard_batches = {};
 };
 
 // Runs (or resumes, when run_dir holds a checkpoint and cfg.resume allows it) a training run.

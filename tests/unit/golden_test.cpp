@@ -5,6 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "hf_reference.h"
 #include "rig/core/allocator.h"
 #include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
@@ -40,17 +41,7 @@ json reference(const std::string& model) {
   return json::parse(read_file(fixture(model, "reference.json")));
 }
 
-// The optimizer settings a reference.json section records.
-OptimizerConfig optimizer_from(const json& cfg) {
-  OptimizerConfig oc;
-  oc.lr = cfg["lr"];
-  oc.beta1 = cfg["betas"][0];
-  oc.beta2 = cfg["betas"][1];
-  oc.eps = cfg["eps"];
-  oc.weight_decay = cfg["weight_decay"];
-  oc.max_grad_norm = cfg["clip_grad_norm"];
-  return oc;
-}
+using test::optimizer_from;
 
 // One float32 step with logits, compared with the reference's loss and logits.
 Tensor check_forward(LlamaModel& m, const SafeTensorsFile& batch, const SafeTensorsFile& ref) {

@@ -410,6 +410,26 @@ bool alive(pid_t pid) {
   return p != std::string::npos && p + 2 < stat.size() && stat[p + 2] != 'Z';
 }
 
+// A `rig train --nproc-per-node N` launcher running in the background, and its workers.
+struct Launch {
+  pid_t pid = 0;
+  std::vector<pid_t> workers;
+};
+
+// Starts `rig ARGS` in the background, its output in OUT/log, and waits until its run folder
+// OUT/run has logged a step: training runs. pid 0 (and the launcher killed) when it did not
+// start within 30 s.
+Launch start_training(const std::string& args, const std::string& out) {
+  const pid_t pid = test::spawn_rig(args, out + "/log");
+  if (pid > 0 && test::wait_for_nonempty(out + "/run/metrics.jsonl", 30))
+    return {pid, children_of(pid)};
+  if (pid > 0) {
+    kill(pid, SIGKILL);
+    test::wait_status(pid);
+  }
+  return {};
+}
+
 }  // namespace
 
 TEST(Parallel, NprocPerNodeWritesOneRunEqualToOneProcess) {
@@ -431,22 +451,10 @@ TEST(Parallel, NprocPerNodeWritesOneRunEqualToOneProcess) {
 
 TEST(Parallel, KilledWorkerStopsTheOthersNamingIt) {
   const std::string out = test::temp_dir("par_kill");
-  pid_t pid = fork();
-  if (pid == 0) {
-    std::string cmd = std::string(RIG_BINARY) + " " + cli_args(out + "/run", 100000, 2) +
-                      " --nproc-per-node 2 --launch-grace-ms 20000 > " + out + "/log 2>&1";
-    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
-    _exit(127);
-  }
   // Wait until training runs, then kill rank 1.
-  bool running = false;
-  for (int i = 0; i < 600 && !running; ++i) {
-    std::this_thread::sleep_for(50ms);
-    running =
-        fs::exists(out + "/run/metrics.jsonl") && fs::file_size(out + "/run/metrics.jsonl") > 0;
-  }
-  ASSERT_TRUE(running);
-  auto workers = children_of(pid);
+  const auto [pid, workers] = start_training(
+      cli_args(out + "/run", 100000, 2) + " --nproc-per-node 2 --launch-grace-ms 20000", out);
+  ASSERT_NE(pid, 0) << read_file(out + "/log");
   ASSERT_EQ(workers.size(), 2u);
   pid_t rank1 = 0;
   for (pid_t w : workers) {
@@ -458,8 +466,7 @@ TEST(Parallel, KilledWorkerStopsTheOthersNamingIt) {
   ASSERT_NE(rank1, 0);
   const auto t0 = std::chrono::steady_clock::now();
   kill(rank1, SIGKILL);
-  int st = 0;
-  waitpid(pid, &st, 0);
+  const int st = test::wait_status(pid);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string log = read_file(out + "/log");
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) != 0) << log;
@@ -525,24 +532,11 @@ TEST(Parallel, ShardedRankHoldsLessThanDataParallelAndEvaluates) {
 
 TEST(Parallel, SigintToTheLauncherCheckpointsOnEveryRankAtOneStep) {
   const std::string out = test::temp_dir("par_sigint");
-  pid_t pid = fork();
-  if (pid == 0) {
-    std::string cmd = std::string(RIG_BINARY) + " " + cli_args(out + "/run", 100000, 2) +
-                      " --set strategy=sharded --nproc-per-node 2 > " + out + "/log 2>&1";
-    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
-    _exit(127);
-  }
-  bool running = false;
-  for (int i = 0; i < 600 && !running; ++i) {
-    std::this_thread::sleep_for(50ms);
-    running =
-        fs::exists(out + "/run/metrics.jsonl") && fs::file_size(out + "/run/metrics.jsonl") > 0;
-  }
-  ASSERT_TRUE(running);
-  auto workers = children_of(pid);
+  const auto [pid, workers] = start_training(
+      cli_args(out + "/run", 100000, 2) + " --set strategy=sharded --nproc-per-node 2", out);
+  ASSERT_NE(pid, 0) << read_file(out + "/log");
   kill(pid, SIGINT);
-  int st = 0;
-  waitpid(pid, &st, 0);
+  const int st = test::wait_status(pid);
   std::string log = read_file(out + "/log");
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 130) << log;
   auto ck = latest_checkpoint(out + "/run");

@@ -1,10 +1,14 @@
 #pragma once
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <thread>
 
 namespace rig::test {
 
@@ -17,6 +21,23 @@ inline std::string temp_dir(const std::string& name) {
   std::filesystem::create_directories(p);
   return p.string();
 }
+
+// CI sets CI=true (.ci/run exports it): there a test whose asset is missing fails.
+inline bool in_ci() {
+  const char* ci = std::getenv("CI");
+  return ci != nullptr && std::string(ci) == "true";
+}
+
+// A test asset that is not committed (tokenizer.json files fetched by
+// scripts/fetch-test-assets.sh) or not generated yet is missing: skip with the reason, or fail
+// in CI, where a skip would hide that the test never ran. `msg` is a stream expression.
+#define RIG_MISSING_ASSET(msg)                                                           \
+  do {                                                                                   \
+    if (::rig::test::in_ci())                                                            \
+      GTEST_FAIL() << msg << " (CI=true: missing test assets fail instead of skipping)"; \
+    else                                                                                 \
+      GTEST_SKIP() << msg;                                                               \
+  } while (0)
 
 struct RunResult {
   int code = -1;
@@ -36,6 +57,44 @@ inline RunResult run_rig(const std::string& args, const std::string& stdin_file 
   int st = pclose(p);
   r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   return r;
+}
+
+// The harness of the tests that signal or kill a running rig.
+
+// Starts `rig ARGS > LOG 2>&1` in the background (the shell execs rig: the pid is rig's).
+inline pid_t spawn_rig(const std::string& args, const std::string& log) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::string cmd = std::string(RIG_BINARY) + " " + args + " > " + log + " 2>&1";
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for a child to end; its waitpid status.
+inline int wait_status(pid_t pid) {
+  int st = 0;
+  waitpid(pid, &st, 0);
+  return st;
+}
+
+// Waits for a child to end; its exit code as a shell gives it (128 + signal when killed).
+inline int wait_exit(pid_t pid) {
+  const int st = wait_status(pid);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// Polls every 50 ms until `path` exists and is not empty (a run's metrics.jsonl: training
+// runs); false after `seconds`.
+inline bool wait_for_nonempty(const std::string& path, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::error_code ec;
+    if (std::filesystem::file_size(path, ec) > 0 && !ec) return true;
+  }
+  return false;
 }
 
 }  // namespace rig::test

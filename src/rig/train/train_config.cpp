@@ -14,6 +14,7 @@
 #include "rig/core/error.h"
 #include "rig/core/tensor.h"
 #include "rig/io/atomic_file.h"
+#include "rig/model/catalog.h"
 #include "rig/model/config.h"
 #include "rig/text/tokenizer.h"
 #include "rig/train/guard.h"
@@ -1007,72 +1008,16 @@ void save_run_config(const TrainConfig& c, const std::string& run_dir) {
   write_file_atomic(run_dir + "/config.json", j.dump(1) + "\n");
 }
 
-// ---- built-in shapes ----------------------------------------------------------------
-
-namespace {
-
-json llama(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads,
-           int64_t kv, double theta, int64_t max_pos, bool tie) {
-  return {{"model_type", "llama"},
-          {"architectures", {"LlamaForCausalLM"}},
-          {"vocab_size", vocab},
-          {"hidden_size", hidden},
-          {"intermediate_size", inter},
-          {"num_hidden_layers", layers},
-          {"num_attention_heads", heads},
-          {"num_key_value_heads", kv},
-          {"max_position_embeddings", max_pos},
-          {"rms_norm_eps", 1e-5},
-          {"rope_theta", theta},
-          {"hidden_act", "silu"},
-          {"tie_word_embeddings", tie}};
-}
-
-const std::map<std::string, json>& builtins() {
-  static const std::map<std::string, json> m = [] {
-    std::map<std::string, json> b;
-    json llama31_rope = {{"rope_type", "llama3"},
-                         {"factor", 8.0},
-                         {"low_freq_factor", 1.0},
-                         {"high_freq_factor", 4.0},
-                         {"original_max_position_embeddings", 8192}};
-    // A few-hundred-thousand-parameter model: the CPU demo and tests.
-    b["tiny"] = llama(512, 64, 176, 2, 4, 2, 10000.0, 512, false);
-    b["llama2-7b"] = llama(32000, 4096, 11008, 32, 32, 32, 10000.0, 4096, false);
-    b["llama3-8b"] = llama(128256, 4096, 14336, 32, 32, 8, 500000.0, 8192, false);
-    b["llama3.1-8b"] = llama(128256, 4096, 14336, 32, 32, 8, 500000.0, 131072, false);
-    b["llama3.1-8b"]["rope_scaling"] = llama31_rope;
-    b["llama3-70b"] = llama(128256, 8192, 28672, 80, 64, 8, 500000.0, 8192, false);
-    b["llama3.2-1b"] = llama(128256, 2048, 8192, 16, 32, 8, 500000.0, 131072, true);
-    b["llama3.2-1b"]["rope_scaling"] = llama31_rope;
-    b["llama3.2-1b"]["rope_scaling"]["factor"] = 32.0;
-    json q = llama(151936, 896, 4864, 24, 14, 2, 1000000.0, 32768, true);
-    q["model_type"] = "qwen2";
-    q["architectures"] = {"Qwen2ForCausalLM"};
-    q["rms_norm_eps"] = 1e-6;
-    b["qwen2.5-0.5b"] = q;
-    json mi = llama(32768, 4096, 14336, 32, 32, 8, 1000000.0, 32768, false);
-    mi["model_type"] = "mistral";
-    mi["architectures"] = {"MistralForCausalLM"};
-    mi["sliding_window"] = nullptr;
-    b["mistral-7b"] = mi;
-    return b;
-  }();
-  return m;
-}
-
-}  // namespace
+// ---- built-in shapes: the model catalogue (rig/model/catalog.h) -----------------
 
 std::vector<std::string> builtin_architecture_names() {
-  std::vector<std::string> v;
-  for (const auto& [k, _] : builtins()) v.push_back(k);
-  return v;
+  return catalog_names();
 }
 
 std::optional<json> builtin_architecture(const std::string& name) {
-  auto it = builtins().find(name);
-  if (it == builtins().end()) return std::nullopt;
-  return it->second;
+  const CatalogModel* m = find_catalog_model(name);
+  if (!m) return std::nullopt;
+  return m->config;
 }
 
 }  // namespace rig

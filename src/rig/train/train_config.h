@@ -168,7 +168,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
 void save_run_config(const TrainConfig& c, const std::string& run_dir);
 
 // Built-in architecture shapes for init: random (tiny, llama3-8b, llama3-70b, ...), as HF
-// config.json objects.
+// config.json objects: the names and configs of the model catalogue (rig/model/catalog.h).
 std::vector<std::string> builtin_architecture_names();
 std::optional<nlohmann::json> builtin_architecture(const std::string& name);
 

@@ -305,6 +305,17 @@ TEST(HwDoctor, GpuChecksFromScriptedSamples) {
   EXPECT_NE(find_check(cs, "pcie_link", 0)->detail.find("idle"), std::string::npos);
   EXPECT_EQ(find_check(cs, "ecc", 0)->verdict, Verdict::ok);
   EXPECT_EQ(find_check(cs, "throttle", 0)->detail, "none (idle)");
+  {
+    // No ECC (GeForce): the advice names what rig train's guard does, and where it is described.
+    GpuSample plain = s;
+    plain.ecc_corrected.reset();
+    plain.ecc_uncorrected.reset();
+    const Check* ecc = find_check(check_gpu(g, plain), "ecc", 0);
+    EXPECT_EQ(ecc->verdict, Verdict::skip);
+    for (const char* what :
+         {"skips NaN/Inf steps", "replica", "verifies checkpoints", "docs/reliability.md"})
+      EXPECT_NE(ecc->detail.find(what), std::string::npos) << what << ": " << ecc->detail;
+  }
   EXPECT_EQ(find_check(cs, "power_limit", 0)->verdict, Verdict::skip);
 
   s.util_gpu_pct = 90;            // the same gen1 link under load is a problem

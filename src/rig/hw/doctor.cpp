@@ -135,11 +135,10 @@ Check ecc_check(const GpuInfo& g, const GpuSample& s) {
     c.verdict = Verdict::skip;
     // What rig train's guard really does about it (docs/reliability.md), and what it cannot.
     c.detail =
-        "no ECC on this card: memory bit flips go unreported. rig train's guard skips steps with "
-        "NaN/Inf gradients, rolls back to the last verified checkpoint on a loss or gradient-norm "
-        "spike or a NaN/Inf/huge weight, compares data-parallel replicas' parameter hashes every "
-        "guard.replica_check_every steps and before each checkpoint, and verifies checkpoint "
-        "checksums before resuming; a flip that changes a value only slightly on a single GPU goes "
+        "no ECC on this card, so bit flips go unreported; rig train skips NaN/Inf steps, rolls "
+        "back to a verified checkpoint on loss/gradient spikes and corrupted weights (replica "
+        "hashes, frozen-weight hashes, implausible values), and verifies checkpoints before use "
+        "(docs/reliability.md); a flip that changes a value only slightly on one GPU goes "
         "unnoticed";
     return c;
   }

@@ -39,7 +39,8 @@ double now_s() {
 
 std::string tokenizer_path(const TrainConfig& cfg) {
   std::string p = cfg.tokenizer.empty() ? cfg.model : cfg.tokenizer;
-  if (p.empty()) bad_input("{}: no tokenizer: set 'tokenizer' (a tokenizer.json or a model folder)", cfg.source);
+  if (p.empty())
+    bad_input("{}: no tokenizer: set 'tokenizer' (a tokenizer.json or a model folder)", cfg.source);
   if (fs::is_directory(p)) p = (fs::path(p) / "tokenizer.json").string();
   if (!fs::exists(p)) bad_input("{}: tokenizer file {} does not exist", cfg.source, p);
   return p;
@@ -77,8 +78,8 @@ Data load_data(const TrainConfig& cfg, const Tokenizer& tok) {
   for (const auto& ds : cfg.datasets) {
     RenderOptions ro;
     ro.format = parse_data_format(ds.format.empty() ? "auto" : ds.format);
-    ro.chat = parse_chat_template(ds.template_name.empty() || ds.template_name == "alpaca"
-                                      ? "auto" : ds.template_name);
+    ro.chat = parse_chat_template(
+        ds.template_name.empty() || ds.template_name == "alpaca" ? "auto" : ds.template_name);
     ro.train_on_all = cfg.train_on_inputs;
     ro.vocab_limit = vocab;
     RenderStats st;
@@ -95,10 +96,15 @@ Data load_data(const TrainConfig& cfg, const Tokenizer& tok) {
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
   std::mt19937_64 rng(cfg.seed ^ 0x5eedull);
   std::shuffle(idx.begin(), idx.end(), rng);
-  size_t n_eval = cfg.eval.split > 0 ? std::max<size_t>(1, size_t(std::llround(cfg.eval.split * double(all.size())))) : 0;
-  if (n_eval >= all.size()) bad_input("{}: eval.split {} leaves no training samples", cfg.source, cfg.eval.split);
+  size_t n_eval =
+      cfg.eval.split > 0
+          ? std::max<size_t>(1, size_t(std::llround(cfg.eval.split * double(all.size()))))
+          : 0;
+  if (n_eval >= all.size())
+    bad_input("{}: eval.split {} leaves no training samples", cfg.source, cfg.eval.split);
   std::vector<Sample> tr, ev;
-  for (size_t i = 0; i < idx.size(); ++i) (i < idx.size() - n_eval ? tr : ev).push_back(std::move(all[idx[i]]));
+  for (size_t i = 0; i < idx.size(); ++i)
+    (i < idx.size() - n_eval ? tr : ev).push_back(std::move(all[idx[i]]));
   d.train = std::make_shared<const TokenDataset>(TokenDataset::from_samples(tr));
   if (!ev.empty()) d.eval = std::make_shared<const TokenDataset>(TokenDataset::from_samples(ev));
   return d;
@@ -233,7 +239,9 @@ std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
   if (cfg.init == "random") {
     json arch = cfg.architecture_json();
     if (arch.is_null()) {
-      if (cfg.model.empty()) bad_input("{}: init: random needs 'architecture' or a model folder with config.json", cfg.source);
+      if (cfg.model.empty())
+        bad_input("{}: init: random needs 'architecture' or a model folder with config.json",
+                  cfg.source);
       m = LlamaModel::random(ModelConfig::load(cfg.model), cfg.seed);
     } else {
       m = LlamaModel::random(ModelConfig::from_json(arch, cfg.source + " architecture"), cfg.seed);
@@ -268,8 +276,10 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
                               const GenerateOptions& opt) {
   RIG_CHECK(!prompt.empty(), "generate needs a non-empty prompt");
   auto cache = model.new_cache(int64_t(prompt.size()) + opt.max_new_tokens + 1);
-  std::vector<float> logits = model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
-  const size_t limit = opt.vocab_limit > 0 ? std::min(logits.size(), size_t(opt.vocab_limit)) : logits.size();
+  std::vector<float> logits =
+      model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
+  const size_t limit =
+      opt.vocab_limit > 0 ? std::min(logits.size(), size_t(opt.vocab_limit)) : logits.size();
   std::mt19937_64 rng(opt.seed);
   std::vector<int32_t> out;
   for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
@@ -342,7 +352,8 @@ EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokeni
     if (f == 0 || f == train.size()) continue;
     size_t e = f;
     while (e < train.size() && train[e]) ++e;
-    std::vector<int32_t> prompt(ids.begin(), ids.begin() + long(f)), want(ids.begin() + long(f), ids.begin() + long(e));
+    std::vector<int32_t> prompt(ids.begin(), ids.begin() + long(f)),
+        want(ids.begin() + long(f), ids.begin() + long(e));
     GenerateOptions go;
     go.max_new_tokens = int64_t(want.size());
     go.stop_ids = {want.back()};
@@ -373,7 +384,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
 #endif
   const std::string precision = cfg.resolved_precision(dev.is_cuda());
   if (precision == "bf16" && !dev.is_cuda())
-    bad_input("{}: 'precision: bf16' needs a CUDA device; the CPU backend computes in fp32", cfg.source);
+    bad_input("{}: 'precision: bf16' needs a CUDA device; the CPU backend computes in fp32",
+              cfg.source);
 
   // The ranks: handed in (tests), or this process is one worker of a launched run.
   std::unique_ptr<dist::Group> group;
@@ -383,7 +395,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     // A launched world of one (--nproc-per-node 1) still goes through the communicator, so the
     // distributed path can be run on a single GPU.
     if (env.world > 1 || dist::launched_worker()) {
-      if (dev.is_cuda() && (cfg.device == "auto" || cfg.device == "cuda")) dev = Device::cuda(env.local_rank);
+      if (dev.is_cuda() && (cfg.device == "auto" || cfg.device == "cuda"))
+        dev = Device::cuda(env.local_rank);
       dist::CommOptions co;
       co.timeout = dist::Millis(int64_t(cfg.dist.timeout_s * 1000));
       group = dist::init_group(env, dev.is_cuda() ? dist::Backend::Nccl : dist::Backend::Gloo, co);
@@ -401,8 +414,10 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
         cfg.source);
   // Shards are float32 flat buffers; bf16 compute copies of gathered layers are not made yet.
   if (sharding && precision == "bf16")
-    bad_input("{}: strategy: sharded trains in float32 for now; set precision: fp32 (or use strategy: ddp)",
-              cfg.source);
+    bad_input(
+        "{}: strategy: sharded trains in float32 for now; set precision: fp32 (or use strategy: "
+        "ddp)",
+        cfg.source);
 
   Allocator& alloc = allocator_for(dev);
   if (cfg.max_memory) alloc.set_budget(alloc.in_use() + cfg.max_memory);
@@ -472,13 +487,16 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     const int64_t here = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world;
     const int64_t there = ckpt->state.value("global_batch", int64_t(0));
     if (there > 0 && there != here)
-      bad_input("{}: {} was written with a global batch of {} rows on {} rank(s), but here it is {} "
-                "(micro_batch_size {} x gradient_accumulation_steps {} x {} rank(s)); change "
-                "micro_batch_size or gradient_accumulation_steps so they match",
-                cfg.source, ckpt->dir, there, ckpt->state.value("world", 1), here, cfg.micro_batch_size,
-                cfg.gradient_accumulation_steps, world);
-    bad_input("{}: the configuration differs from the one that wrote {}; resume with the run's own "
-              "config.yaml or start a new output_dir", cfg.source, ckpt->dir);
+      bad_input(
+          "{}: {} was written with a global batch of {} rows on {} rank(s), but here it is {} "
+          "(micro_batch_size {} x gradient_accumulation_steps {} x {} rank(s)); change "
+          "micro_batch_size or gradient_accumulation_steps so they match",
+          cfg.source, ckpt->dir, there, ckpt->state.value("world", 1), here, cfg.micro_batch_size,
+          cfg.gradient_accumulation_steps, world);
+    bad_input(
+        "{}: the configuration differs from the one that wrote {}; resume with the run's own "
+        "config.yaml or start a new output_dir",
+        cfg.source, ckpt->dir);
   }
   Tokenizer tok = Tokenizer::load(tokenizer_path(cfg));
   Data data = load_data(cfg, tok);
@@ -504,7 +522,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   oc.max_grad_norm = sharding ? 0.0f : float(cfg.max_grad_norm);
   oc.no_decay_on_norms_and_biases = cfg.optimizer.no_decay_on_norms_and_biases;
   if (cfg.optimizer.name != "adamw")
-    bad_input("{}: optimizer '{}' is not implemented yet (use adamw)", cfg.source, cfg.optimizer.name);
+    bad_input("{}: optimizer '{}' is not implemented yet (use adamw)", cfg.source,
+              cfg.optimizer.name);
   AdamW opt(oc);
 
   LoaderOptions lo;
@@ -579,13 +598,24 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
 
   // What the guard hashes and scans: every parameter a rank holds (frozen ones too: a flipped
   // bit in a frozen base weight makes a replica's gradients differ).
+  // A parameter's stored bytes: its value, or for a 4-bit weight (QLoRA's base, whose value is
+  // not kept) the packed codes and scales.
+  auto add_weight = [](const Param& p, std::vector<Tensor>& w) {
+    if (!p.quant) {
+      w.push_back(p.value);
+      return;
+    }
+    w.push_back(p.quant->packed);
+    w.push_back(p.quant->absmax);
+    if (p.quant->nested_absmax.defined()) w.push_back(p.quant->nested_absmax);
+  };
   auto weights = [&] {
     std::vector<Tensor> w;
     if (shard) {
       for (const auto& p : shard->params()) w.push_back(p.value);
       for (const auto& t : shard->frozen_shards()) w.push_back(t);
     } else {
-      for (const auto& p : model->params()) w.push_back(p.value);
+      for (const auto& p : model->params()) add_weight(p, w);
     }
     return w;
   };
@@ -607,7 +637,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     if (shard) return shard->frozen_shards();
     std::vector<Tensor> w;
     for (const auto& p : model->params())
-      if (!p.trainable) w.push_back(p.value);
+      if (!p.trainable) add_weight(p, w);
     return w;
   };
   const uint64_t frozen_ref = ops::hash64(frozen_weights());
@@ -620,8 +650,18 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_from(theirs[i]);
     } else {
       auto& ps = model->params();
-      for (size_t i = 0; i < ps.size(); ++i)
-        if (!ps[i].trainable) ps[i].value.copy_from(fresh->params()[i].value);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (ps[i].trainable) continue;
+        if (ps[i].quant) {
+          // 4-bit weights: the bytes a flip could hit are the packed codes and the scales.
+          const auto& q = *fresh->params()[i].quant;
+          ps[i].quant->packed.copy_from(q.packed);
+          ps[i].quant->absmax.copy_from(q.absmax);
+          if (q.nested_absmax.defined()) ps[i].quant->nested_absmax.copy_from(q.nested_absmax);
+        } else {
+          ps[i].value.copy_from(fresh->params()[i].value);
+        }
+      }
     }
     if (ops::hash64(frozen_weights()) != frozen_ref)
       fail(
@@ -638,12 +678,13 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   };
   note(fmt::format("device {}, {} compute", dev.str(), precision));
   if (comm)
-    note(fmt::format("{} ranks, {}: global batch {} x {} x {} rows", world, strategy_name, cfg.micro_batch_size,
-                     cfg.gradient_accumulation_steps, world));
-  note(fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
-                   "({} tokens), {} held out",
-                   ckpt ? "resuming" : "starting", cfg.method, step, total, n_params, n_trainable,
-                   data.train->size(), data.train->num_tokens(), data.eval ? data.eval->size() : 0));
+    note(fmt::format("{} ranks, {}: global batch {} x {} x {} rows", world, strategy_name,
+                     cfg.micro_batch_size, cfg.gradient_accumulation_steps, world));
+  note(
+      fmt::format("{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
+                  "({} tokens), {} held out",
+                  ckpt ? "resuming" : "starting", cfg.method, step, total, n_params, n_trainable,
+                  data.train->size(), data.train->num_tokens(), data.eval ? data.eval->size() : 0));
   std::unique_ptr<Progress> progress;
   if (!hooks.quiet && lead) progress = std::make_unique<Progress>(total, step);
   auto say = [&](const std::string& s) {
@@ -675,7 +716,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     ckpt.reset();  // drops the mapping of its files
   }
 
-  const Checkpointing ck = cfg.activation_checkpointing == "none" ? Checkpointing::None : Checkpointing::Full;
+  const Checkpointing ck =
+      cfg.activation_checkpointing == "none" ? Checkpointing::None : Checkpointing::Full;
   auto save = [&](int64_t s) {
     // Faults that wait for the next checkpoint.
     std::optional<Injection> kill_save = injector.take(FaultKind::KillDuringSave, s, true);
@@ -748,8 +790,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     if (gather) shard->gather_all();
     auto e = evaluate(*model, *data.eval, cfg.sequence_len, cfg.micro_batch_size, cfg.eval.batches);
     json extra = {{"eval_perplexity", std::exp(e.loss)}};
-    std::string line = fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s,
-                                   e.loss, std::exp(e.loss), e.tokens);
+    std::string line = fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens",
+                                   s, e.loss, std::exp(e.loss), e.tokens);
     if (cfg.eval.generate > 0) {
       auto em = exact_match(*model, *data.eval, tok, cfg.eval.generate, final_eval ? 5 : 0);
       extra["eval_exact_match"] = em.exact_match;
@@ -785,11 +827,14 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     // Sustained thermal throttling: say so once per streak.
     throttled_steps = g.thermal_throttle ? throttled_steps + 1 : 0;
     if (throttled_steps == 10)
-      say(fmt::format("warning: GPU {} has been thermally throttled for 10 steps ({:.0f} C); check "
-                      "cooling and fan curves", g.hottest_gpu, g.max_temp_c.value_or(0)));
+      say(
+          fmt::format("warning: GPU {} has been thermally throttled for 10 steps ({:.0f} C); check "
+                      "cooling and fan curves",
+                      g.hottest_gpu, g.max_temp_c.value_or(0)));
     if (!thermal || !thermal->update(g)) return;
     say(fmt::format("pausing: GPU {} at {:.0f} C is above {:.0f} C; resuming below {:.0f} C",
-                    g.hottest_gpu, g.max_temp_c.value_or(0), thermal->pause_at(), thermal->resume_below()));
+                    g.hottest_gpu, g.max_temp_c.value_or(0), thermal->pause_at(),
+                    thermal->resume_below()));
     while (thermal->update(g) && !(hooks.should_stop && hooks.should_stop())) {
       std::this_thread::sleep_for(std::chrono::milliseconds(cfg_pause_poll_ms()));
       g = hw::Telemetry::summarize(telemetry->sample());
@@ -980,7 +1025,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       // would give.
       so.grad_scale = (trained ? 1.0f / float(trained) : 0.0f) * fault_scale;
       so.checkpointing = ck;
-      so.dropout_seed = step_seed(cfg.seed, step, int64_t(rank) * cfg.gradient_accumulation_steps + int64_t(k));
+      so.dropout_seed =
+          step_seed(cfg.seed, step, int64_t(rank) * cfg.gradient_accumulation_steps + int64_t(k));
       so.hooks = step_hooks;
       // Data-parallel: no communication until the last micro-step's backward.
       if (ddp) ddp->set_sync(k + 1 == micro.size());
@@ -1115,9 +1161,12 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       model->save_adapter(out.string());
     } else {
       model->save_pretrained(out.string());
-      fs::copy_file(tokenizer_path(cfg), out / "tokenizer.json", fs::copy_options::overwrite_existing);
+      fs::copy_file(tokenizer_path(cfg), out / "tokenizer.json",
+                    fs::copy_options::overwrite_existing);
     }
-    say(fmt::format("wrote {} to {}", model->has_lora() ? "the LoRA adapter (PEFT format)" : "the model", out.string()));
+    say(fmt::format("wrote {} to {}",
+                    model->has_lora() ? "the LoRA adapter (PEFT format)" : "the model",
+                    out.string()));
   }
   result.output = out.string();
   return result;

@@ -4,7 +4,9 @@
 # `rig bench train`, each rig row with nvidia-smi's peak beside rig's own allocator peak.
 #
 # usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]   (RIG=path/to/rig, default dist/rig/rig;
-#        ROWS=0,3 runs those rows of the plan only; STEPS=N timed steps for rig)
+#        ROWS=0,3 runs those rows of the plan only; STEPS=N timed steps for rig;
+#        CKPT="0=full:20 2=selective" sets rig's checkpointing per row: none, selective, full, or
+#        full:N (the first N layers recompute, the rest selective); default: the plan's column)
 set -u
 out=${1:?usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]}
 which=${2:-both}
@@ -51,7 +53,10 @@ if [ "$which" != hf ]; then
     read -r preset method seq batch ckpt targets rank <<< "$r"
     args=(bench train --device cuda --preset "$preset" --method "$method" --seq "$seq" --batch "$batch"
           --steps "${STEPS:-4}" --json --profile)
-    [ "$ckpt" = 1 ] && args+=(--checkpointing)
+    mode=$([ "$ckpt" = 1 ] && echo full || echo none)
+    for kv in ${CKPT:-}; do [ "${kv%%=*}" = "$i" ] && mode=${kv#*=}; done
+    args+=("--checkpointing=${mode%%:*}")
+    [ "${mode#*:}" != "$mode" ] && args+=(--recompute-layers "${mode#*:}")
     [ "$method" = lora ] && args+=(--lora-targets "$targets" --lora-r "$rank")
     echo "rig ${args[*]}" >&2
     with_smi_peak "$i" "$rig" "${args[@]}" || echo "rig row failed: $r" >&2

@@ -20,7 +20,9 @@ struct Opts {
   int64_t batch = 4, seq = 256, steps = 5, warmup = 1;
   std::string method = "full", device = "cpu";
   int lora_r = 16;
-  bool ckpt = false, json = false, profile = false;
+  std::string ckpt = "none";
+  int64_t recompute_layers = -1;
+  bool json = false, profile = false;
   std::string trace;
 };
 
@@ -83,7 +85,12 @@ int run(const Opts& o) {
     b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % uint64_t(cfg.vocab_size));
   rig::AdamW opt(rig::OptimizerConfig{});
   rig::StepOptions so;
-  so.checkpointing = o.ckpt ? rig::Checkpointing::Full : rig::Checkpointing::None;
+  if (o.ckpt != "none" && o.ckpt != "full" && o.ckpt != "selective")
+    rig::bad_input("--checkpointing '{}' is not one of none, full, selective", o.ckpt);
+  so.checkpointing = o.ckpt == "full"        ? rig::Checkpointing::Full
+                     : o.ckpt == "selective" ? rig::Checkpointing::Selective
+                                             : rig::Checkpointing::None;
+  so.recompute_layers = o.recompute_layers;
   auto& alloc = rig::allocator_for(dev);
   double secs = 0;
   std::vector<double> losses;
@@ -133,6 +140,7 @@ int run(const Opts& o) {
                       {"batch", o.batch},
                       {"seq", o.seq},
                       {"checkpointing", o.ckpt},
+                      {"recompute_layers", o.recompute_layers},
                       {"tokens_per_s", tokens / secs},
                       {"tflops", tokens / secs * flops_per_token / 1e12},
                       {"step_ms", 1e3 * secs / double(o.steps)},
@@ -153,7 +161,7 @@ int run(const Opts& o) {
     fmt::print("{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
                "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
                o.method, int64_t(n), m->num_parameters(true), o.batch, o.seq,
-               o.ckpt ? ", checkpointing" : "", tokens / secs, 1e3 * secs / double(o.steps),
+               o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, tokens / secs, 1e3 * secs / double(o.steps),
                tokens / secs * flops_per_token / 1e12, rig::format_bytes(double(alloc.peak())),
                rig::format_bytes(double(alloc.peak_reserved())));
   }
@@ -181,7 +189,14 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
       ->capture_default_str();
   app.add_option("--lora-r", o->lora_r, "LoRA rank")->capture_default_str();
   app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
-  app.add_flag("--checkpointing", o->ckpt, "recompute each layer's forward in backward");
+  app.add_flag("--checkpointing{full}", o->ckpt,
+               "activation checkpointing: none, selective (recompute the element-wise work) or "
+               "full (recompute each layer's forward); the bare flag means full")
+      ->capture_default_str();
+  app.add_option("--recompute-layers", o->recompute_layers,
+                 "with full checkpointing: layers that recompute their forward, the rest run "
+                 "selective (-1: all)")
+      ->capture_default_str();
   app.add_flag("--json", o->json, "one JSON line");
   app.add_flag("--profile", o->profile,
                "time one more step op by op: milliseconds per category (matmul, attention, norm, "

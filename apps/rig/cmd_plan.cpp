@@ -65,6 +65,10 @@ rig::cli::Registrar reg(
           ->capture_default_str();
       app.add_option("--checkpointing", f->ckpt, "activation checkpointing: none, full, selective")
           ->capture_default_str();
+      app.add_option("--recompute-layers", s.recompute_layers,
+                     "with full checkpointing: layers that recompute their forward, the rest "
+                     "selective (-1: all)")
+          ->capture_default_str();
       app.add_option("--optimizer", f->optimizer, "adamw (fp32 states) or adamw8bit")
           ->capture_default_str();
       app.add_option("--strategy", f->strategy, "data-parallel (ddp) or sharded (fsdp)")

@@ -189,6 +189,29 @@ TEST(OpHarness, GemmAccumulatesWeightGradientInF32) {
   EXPECT_CLOSE(host(ddW), dW, DType::F32, "dW += X^T dY (bf16 inputs, f32 accumulator)");
 }
 
+// out = alpha A B + beta src with src != out (the residual add riding the product), and in place.
+TEST(OpHarness, GemmPlus) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(4);
+  for (auto [dab, dc] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::F32},
+                         {DType::BF16, DType::BF16}})
+    for (bool in_place : {false, true}) {
+      const std::string what = fmt::format("gemm_plus {}->{}{}", name(dab), name(dc),
+                                           in_place ? " in place" : "");
+      Tensor A = rounded(randn({989, 80}, g), dab), B = rounded(randn({111, 80}, g), dab);
+      Tensor src = rounded(randn({989, 111}, g, 4.0f), dc);
+      Tensor out = in_place ? src.clone() : Tensor::empty({989, 111}, DType::F32);
+      ops::gemm_plus(A, false, B, true, in_place ? out : src, out, 0.5f, 1.0f);
+      Tensor dsrc = gpu(src, dc);
+      Tensor dout = in_place ? dsrc : Tensor::empty({989, 111}, dc, Device::cuda(0));
+      ops::gemm_plus(gpu(A, dab), false, gpu(B, dab), true, dsrc, dout, 0.5f, 1.0f);
+      EXPECT_CLOSE(host(dout), out, dc == DType::BF16 ? DType::BF16 : dab, what);
+      if (!in_place) {
+        EXPECT_CLOSE(host(dsrc), src, DType::F32, what + ": src untouched");
+      }
+    }
+}
+
 // ---- bias ----------------------------------------------------------------------------------
 
 #ifdef RIG_WITH_CUDA
@@ -304,6 +327,34 @@ TEST(OpHarness, RmsNorm) {
       ops::rmsnorm_backward(gpu(grad, dt), dx_, dw_param, drstd, ddx, ddw);
       EXPECT_CLOSE(host(ddx), dx, dt, what + " dx");
       EXPECT_CLOSE(host(ddw), dw, DType::F32, what + " dw (+=, F32)");
+    }
+}
+
+// The fused backward: dh += dx, the copy in the products' dtype, dw accumulated or skipped.
+TEST(OpHarness, RmsNormBackwardAddsIntoTheResidualGradient) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(7);
+  for (DType dt : kDtypes)
+    for (bool with_dw : {true, false})
+    for (int64_t h : {576, 4099}) {  // the 8-wide kernel and the one-element one
+      const int64_t rows = 989;
+      const std::string what = fmt::format("rmsnorm_backward_add h={} [{}]{}", h, name(dt),
+                                           with_dw ? "" : " without dw");
+      Tensor x = rounded(randn({rows, h}, g, 2.0f, 0.3f), dt), w = randn({h}, g, 0.2f, 1.0f);
+      Tensor y = Tensor::empty({rows, h}, DType::F32), rs = Tensor::empty({rows}, DType::F32);
+      ops::rmsnorm_forward(x, w, 1e-5f, y, rs);
+      Tensor dy = randn({rows, h}, g), dh = randn({rows, h}, g, 3.0f), dw = randn({h}, g);
+      Tensor ddh = gpu(dh), ddw = gpu(dw), copy = Tensor::empty({rows, h}, dt, Device::cuda(0));
+      // The CPU oracle: the plain backward, then the add.
+      Tensor dx = Tensor::empty({rows, h}, DType::F32);
+      Tensor dw_ref = dw.clone();
+      ops::rmsnorm_backward(dy, x, w, rs, dx, dw_ref);
+      ops::add_(dh, dx, 1.0f);
+      ops::rmsnorm_backward_add(gpu(dy), gpu(x, dt), gpu(w), gpu(rs), ddh, &copy,
+                                with_dw ? &ddw : nullptr);
+      EXPECT_CLOSE(host(ddh), dh, DType::F32, what + " dh");
+      EXPECT_CLOSE(host(copy), rounded(dh, dt), dt, what + " copy");
+      EXPECT_CLOSE(host(ddw), with_dw ? dw_ref : dw, DType::F32, what + " dw");
     }
 }
 
@@ -555,8 +606,10 @@ TEST(OpHarness, AttentionBackwardIsDeterministic) {
 TEST(OpHarness, SwiGlu) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(10);
+  // An odd size (the element-at-a-time kernel) and a multiple of 8 (the 16-byte vector kernel).
+  for (const Shape& s : {Shape{989, 111}, Shape{989, 112}})
   for (DType dt : kDtypes) {
-    const Shape s{989, 111};
+    SCOPED_TRACE(shape_str(s));
     Tensor gt = rounded(randn(s, g, 3.0f), dt), u = rounded(randn(s, g), dt);
     Tensor a = Tensor::empty(s, DType::F32);
     ops::swiglu_forward(gt, u, a);
@@ -607,6 +660,17 @@ TEST(OpHarness, CrossEntropy) {
         const double l2 = ops::cross_entropy(gpu(logits, dt), gpu(targets), scale, nullptr, &nv);
         EXPECT_LE(std::abs(l2 - loss) / std::abs(loss), 1e-5) << what << " without dlogits";
       }
+  // float32 logits, the gradient written in bf16 for the products (the LM head's backward).
+  {
+    Tensor logits = randn({111, 32003}, g, 3.0f);
+    Tensor targets = rand_ids(111, 32003, g);
+    Tensor dl = Tensor::empty({111, 32003}, DType::F32);
+    const double loss = ops::cross_entropy(logits, targets, 0.01f, &dl, nullptr);
+    Tensor dgrad = Tensor::empty({111, 32003}, DType::BF16, Device::cuda(0));
+    const double dloss = ops::cross_entropy(gpu(logits), gpu(targets), 0.01f, &dgrad, nullptr);
+    EXPECT_LE(std::abs(dloss - loss) / std::abs(loss), 1e-5) << "F32 logits, BF16 dlogits";
+    EXPECT_CLOSE(host(dgrad), dl, DType::BF16, "cross_entropy F32 logits -> BF16 dlogits");
+  }
   Tensor logits = Tensor::zeros({2, 10}, DType::F32, Device::cuda(0));
   EXPECT_THROW(ops::cross_entropy(logits, gpu(ints({3, 10}, {2})), 1.0f, nullptr, nullptr), InputError);
 }
@@ -634,6 +698,20 @@ TEST(OpHarness, AddScaleSumSquares) {
     Tensor b = rounded(randn({1000003}, g), dt);
     const double ref = ops::sum_squares(b), got = ops::sum_squares(gpu(b, dt));
     EXPECT_LE(std::abs(got - ref) / ref, 1e-9) << "sum_squares [" << name(dt) << "]";
+  }
+  // The list form: one value per tensor, as sum_squares gives it.
+  std::vector<Tensor> cpu_list, gpu_list;
+  for (int64_t n : {1, 255, 256, 257, 100003, 3000000}) {
+    const DType dt = n % 2 ? DType::BF16 : DType::F32;
+    cpu_list.push_back(rounded(randn({n}, g), dt));
+    gpu_list.push_back(gpu(cpu_list.back(), dt));
+  }
+  const std::vector<double> got = ops::sum_squares_list(gpu_list);
+  ASSERT_EQ(got.size(), cpu_list.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double ref = ops::sum_squares(cpu_list[i]);
+    EXPECT_LE(std::abs(got[i] - ref) / ref, 1e-9) << "sum_squares_list entry " << i;
+    EXPECT_EQ(got[i], ops::sum_squares(gpu_list[i])) << "list and single agree, entry " << i;
   }
 }
 

@@ -310,7 +310,8 @@ TEST(HwDoctor, GpuChecksFromScriptedSamples) {
     GpuSample plain = s;
     plain.ecc_corrected.reset();
     plain.ecc_uncorrected.reset();
-    const Check* ecc = find_check(check_gpu(g, plain), "ecc", 0);
+    const auto plain_checks = check_gpu(g, plain);
+    const Check* ecc = find_check(plain_checks, "ecc", 0);
     EXPECT_EQ(ecc->verdict, Verdict::skip);
     for (const char* what :
          {"skips NaN/Inf steps", "replica", "verifies checkpoints", "docs/reliability.md"})

@@ -480,9 +480,13 @@ struct LinearRefs {
   Tensor *dw, *db, *da, *dbl;
 };
 
+// y = x @ W^T (+ bias) (+ LoRA); with `residual`, y = residual + that, the add riding the product.
 void linear_forward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
-                    Tensor& y, Tensor* xa) {
-  if (L.b.defined()) {
+                    Tensor& y, Tensor* xa, const Tensor* residual = nullptr) {
+  if (residual) {
+    ops::gemm_plus(x, false, L.w, true, *residual, y, 1.0f, 1.0f);
+    if (L.b.defined()) ops::add_bias(y, L.b);
+  } else if (L.b.defined()) {
     ops::gemm_bias(x, false, L.w, true, y, L.b);
   } else {
     ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
@@ -547,10 +551,10 @@ void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenB
   const int64_t N = h_in.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
   const int64_t B = b.input_ids.dim(0), T = b.input_ids.dim(1), D = cfg_.head_dim;
   const float eps = float(cfg_.rms_norm_eps);
-  auto lin = [&](int p, const Tensor& x, Tensor& y) {
+  auto lin = [&](int p, const Tensor& x, Tensor& y, const Tensor* residual = nullptr) {
     Linear& l = L.proj[p];
     linear_forward(RIG_LIN(l), l.lora_scale, seed ? l.lora_dropout : 0.0f, mix_seed(seed, li, p), x,
-                   y, &a.xa[p]);
+                   y, &a.xa[p], residual);
   };
   a.h_in = h_in;
   a.xn1 = act({N, H}, "xn1");
@@ -570,11 +574,8 @@ void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenB
   ops::attention_forward(a.q.reshape({B, T, cfg_.num_heads, D}),
                          a.k.reshape({B, T, cfg_.num_kv_heads, D}),
                          a.v.reshape({B, T, cfg_.num_kv_heads, D}), b.segment_ids, o4, a.lse);
-  a.h_mid = h_in.clone("residual");
-  Tensor o = act({N, H}, "o");
-  lin(O, a.attn, o);
-  ops::add_(a.h_mid, o);
-  o = Tensor();
+  a.h_mid = fresh_like(h_in, {N, H}, "residual");
+  lin(O, a.attn, a.h_mid, &h_in);
   a.xn2 = act({N, H}, "xn2");
   a.rstd2 = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
@@ -584,13 +585,48 @@ void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenB
   lin(UP, a.xn2, a.u);
   a.act = act({N, F}, "swiglu");
   ops::swiglu_forward(a.g, a.u, a.act);
-  a.h_out = a.h_mid.clone("residual");
-  Tensor d = act({N, H}, "down");
-  lin(DOWN, a.act, d);
-  ops::add_(a.h_out, d);
+  a.h_out = fresh_like(h_in, {N, H}, "residual");
+  lin(DOWN, a.act, a.h_out, &a.h_mid);
 }
 
-void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed) {
+bool LlamaModel::reads_input(int li, int proj) const {
+  const Linear& l = layers_[size_t(li)]->proj[proj];
+  return params_[size_t(l.w)].trainable || l.lora_a >= 0;  // dW, or LoRA's dA (and x·A)
+}
+
+void LlamaModel::drop_saved(int li, Acts& a, Checkpointing mode) const {
+  if (mode == Checkpointing::Full) {
+    a.drop_all_but_input();
+    return;
+  }
+  // What no backward product reads goes in every mode; selective drops the rest of the
+  // element-wise outputs too and recomputes them (recompute_saved).
+  const bool sel = mode == Checkpointing::Selective;
+  if (sel || !(reads_input(li, Q) || reads_input(li, K) || reads_input(li, V))) a.xn1 = Tensor();
+  if (sel || !(reads_input(li, GATE) || reads_input(li, UP))) a.xn2 = Tensor();
+  if (sel || !reads_input(li, DOWN)) a.act = Tensor();
+}
+
+void LlamaModel::recompute_saved(int li, Acts& a) {
+  Layer& L = *layers_[size_t(li)];
+  const int64_t N = a.h_in.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
+  const float eps = float(cfg_.rms_norm_eps);
+  if (!a.xn1.defined() && (reads_input(li, Q) || reads_input(li, K) || reads_input(li, V))) {
+    a.xn1 = act({N, H}, "xn1");
+    ops::rmsnorm_forward(a.h_in, params_[size_t(L.in_norm)].value, eps, a.xn1, a.rstd1);
+  }
+  if (!a.xn2.defined() && (reads_input(li, GATE) || reads_input(li, UP))) {
+    a.xn2 = act({N, H}, "xn2");
+    ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
+  }
+  if (!a.act.defined() && reads_input(li, DOWN)) {
+    a.act = act({N, F}, "swiglu");
+    ops::swiglu_forward(a.g, a.u, a.act);
+  }
+}
+
+void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, Tensor& dh_act, const TokenBatch& b,
+                                uint64_t seed) {
   auto grad_of = [&](int idx) -> Tensor* {
     return idx >= 0 && params_[size_t(idx)].grad.defined() ? &params_[size_t(idx)].grad : nullptr;
   };
@@ -602,15 +638,15 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
     linear_backward(RIG_LIN(l), l.lora_scale, seed ? l.lora_dropout : 0.0f, mix_seed(seed, li, p),
                     x, dy, a.xa[p], dx, acc);
   };
-  auto norm_grad = [&](int idx) -> Tensor& {
-    static thread_local Tensor dummy;
-    if (params_[size_t(idx)].grad.defined()) return params_[size_t(idx)].grad;
-    dummy = Tensor::zeros(params_[size_t(idx)].value.shape(), DType::F32, dev_, "frozen norm grad");
-    return dummy;
+  // dh += the norm's input gradient; dh_act, the products' operand, follows (when it is a copy).
+  Tensor* dh_copy = dh_act.raw() == dh.raw() ? nullptr : &dh_act;
+  auto norm_bwd = [&](const Tensor& dxn, const Tensor& x, int norm, const Tensor& rstd) {
+    ops::rmsnorm_backward_add(dxn, x, params_[size_t(norm)].value, rstd, dh, dh_copy,
+                              grad_of(norm));
   };
-  // MLP. The residual gradient dh stays float32; the matrix products read it in the compute dtype.
+  // MLP. The residual gradient dh stays float32; the matrix products read dh_act.
   Tensor dact = act({N, F}, "d swiglu");
-  lin_bwd(DOWN, a.act, to_act(dh), dact, false);
+  lin_bwd(DOWN, a.act, dh_act, dact, false);
   Tensor dg = act({N, F}, "d gate"), du = act({N, F}, "d up");
   ops::swiglu_backward(dact, a.g, a.u, dg, du);
   dact = Tensor();
@@ -618,13 +654,10 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
   lin_bwd(GATE, a.xn2, dg, dxn, false);
   lin_bwd(UP, a.xn2, du, dxn, true);
   dg = du = Tensor();
-  Tensor dtmp = fresh_on(dev_, {N, H}, "d norm");
-  ops::rmsnorm_backward(dxn, a.h_mid, params_[size_t(L.post_norm)].value, a.rstd2, dtmp,
-                        norm_grad(L.post_norm));
-  ops::add_(dh, dtmp);
+  norm_bwd(dxn, a.h_mid, L.post_norm, a.rstd2);
   // Attention
   Tensor dattn = act({N, cfg_.q_dim()}, "d attention");
-  lin_bwd(O, a.attn, to_act(dh), dattn, false);
+  lin_bwd(O, a.attn, dh_act, dattn, false);
   Tensor dq = act({N, cfg_.q_dim()}, "dq"), dk = act({N, cfg_.kv_dim()}, "dk"), dv = act({N, cfg_.kv_dim()}, "dv");
   const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads;
   Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}), dv4 = dv.reshape({B, T, Hk, D});
@@ -637,9 +670,7 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b
   lin_bwd(Q, a.xn1, dq, dxn, false);
   lin_bwd(K, a.xn1, dk, dxn, true);
   lin_bwd(V, a.xn1, dv, dxn, true);
-  ops::rmsnorm_backward(dxn, a.h_in, params_[size_t(L.in_norm)].value, a.rstd1, dtmp,
-                        norm_grad(L.in_norm));
-  ops::add_(dh, dtmp);
+  norm_bwd(dxn, a.h_in, L.in_norm, a.rstd1);
 }
 
 namespace {
@@ -701,7 +732,13 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
                     attention_segments(host.segment_ids)};
   if (dbatch.segment_ids.defined()) dbatch.segment_ids = dbatch.segment_ids.to(dev_, "segments");
   const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
-  const bool ckpt = opt.checkpointing == Checkpointing::Full;
+  // Full checkpointing recomputes the first recompute_layers layers (all when negative); the
+  // others run selective.
+  auto mode_of = [&](size_t l) {
+    if (opt.checkpointing != Checkpointing::Full) return opt.checkpointing;
+    return opt.recompute_layers < 0 || int64_t(l) < opt.recompute_layers ? Checkpointing::Full
+                                                                          : Checkpointing::Selective;
+  };
 
   StepHooks* hk = opt.hooks;
   const auto phase = opt.backward ? StepHooks::Backward : StepHooks::Forward;
@@ -717,8 +754,11 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     layer_forward(int(l), h, acts[l], dbatch, seed);
     if (hk) hk->after(int(l), StepHooks::Forward);
     h = acts[l].h_out;
-    if (ckpt || !opt.backward) acts[l].drop_all_but_input();
-    if (!opt.backward) acts[l] = Acts{};
+    if (opt.backward) {
+      drop_saved(int(l), acts[l], mode_of(l));
+    } else {
+      acts[l] = Acts{};
+    }
   }
   Tensor hn = act({N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
@@ -747,10 +787,11 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
     if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
     Tensor tg = targets.slice_rows(r0, r1);
-    res.loss_sum += ops::cross_entropy(logits, tg, scale, opt.backward ? &logits : nullptr, &res.tokens);
+    // float32 logits; their gradient in the products' dtype, written by the loss itself.
+    Tensor dl = !opt.backward ? Tensor() : act_ == DType::F32 ? logits : act(logits.shape(), "d logits");
+    res.loss_sum += ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
     if (!opt.backward) continue;
     Tensor dx = dhn.slice_rows(r0, r1);
-    Tensor dl = to_act(logits);  // float32 logits and their gradient; bf16 operands for the products
     ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
     if (head->grad.defined()) ops::gemm(dl, true, x, false, head->grad, 1.0f, 1.0f);
   }
@@ -767,10 +808,16 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   Tensor dfn = fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
   ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
   dhn = hn = Tensor();
+  Tensor dh_act = act_ == DType::F32 ? dh : act({N, H}, "d hidden operand");
+  if (dh_act.raw() != dh.raw()) ops::cast(dh, dh_act);
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {
     if (hk) hk->before(l, StepHooks::Backward);
-    if (ckpt) layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
-    layer_backward(l, acts[size_t(l)], dh, dbatch, seed);
+    if (mode_of(size_t(l)) == Checkpointing::Full) {
+      layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
+    } else {
+      recompute_saved(l, acts[size_t(l)]);
+    }
+    layer_backward(l, acts[size_t(l)], dh, dh_act, dbatch, seed);
     acts[size_t(l)] = Acts{};
     if (hk) hk->after(l, StepHooks::Backward);
   }

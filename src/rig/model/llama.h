@@ -58,7 +58,11 @@ struct TokenBatch {
   Tensor input_ids, labels, position_ids, segment_ids;
 };
 
-enum class Checkpointing { None, Full };
+// What each layer keeps from its forward for its backward. None: everything the backward reads.
+// Selective: the outputs of the matrix products (and attention); the element-wise work (the two
+// RMSNorm outputs, SwiGLU) is recomputed in backward. Full: the layer's input only; the whole
+// forward runs again in backward. Activations no backward product reads are never kept.
+enum class Checkpointing { None, Selective, Full };
 
 // Called by step() around each group of parameters so a distributed strategy can gather sharded
 // weights just before use and reduce gradients as soon as they are final. Group l >= 0 is layer
@@ -80,6 +84,9 @@ struct StepOptions {
   // (the mean, as transformers computes it). Gradient accumulation passes 1/total tokens.
   float grad_scale = 0;
   Checkpointing checkpointing = Checkpointing::None;
+  // Full only: the first this many layers recompute their forward and the rest run selective, to
+  // spend memory that full checkpointing leaves free on less recompute. Negative: every layer.
+  int64_t recompute_layers = -1;
   uint64_t dropout_seed = 0;
   int64_t loss_chunk_rows = 1024;  // rows of logits materialised at once
   StepHooks* hooks = nullptr;
@@ -178,7 +185,16 @@ class LlamaModel {
   Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
-  void layer_backward(int li, Acts& a, Tensor& dh, const TokenBatch& b, uint64_t seed);
+  // dh (float32) is the residual gradient; dh_act its copy in the compute dtype (dh itself in
+  // float32), read by the products and kept in step with dh.
+  void layer_backward(int li, Acts& a, Tensor& dh, Tensor& dh_act, const TokenBatch& b,
+                      uint64_t seed);
+  // Whether projection `proj` of layer li reads its input in backward (a trainable weight or LoRA).
+  bool reads_input(int li, int proj) const;
+  // After a layer's forward: drops what `mode` does not keep. Before its backward (modes other
+  // than Full): recomputes what was dropped and the backward reads.
+  void drop_saved(int li, Acts& a, Checkpointing mode) const;
+  void recompute_saved(int li, Acts& a);
   // The weight a product reads: the parameter's operand, or a 4-bit weight dequantized into the
   // one reused buffer (valid until the next call).
   const Tensor& weight_operand(int idx);

@@ -46,6 +46,10 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
   }
   RIG_DISPATCH_AS("matmul", c, gemm(a, ta, b, tb, c, alpha, beta));
 }
+void gemm_plus(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& src, Tensor& out,
+               float alpha, float beta) {
+  RIG_DISPATCH_AS("matmul", out, gemm_plus(a, ta, b, tb, src, out, alpha, beta));
+}
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
   RIG_DISPATCH_AS("matmul", c, gemm_bias(a, ta, b, tb, c, bias));
 }
@@ -63,6 +67,10 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw) {
   RIG_DISPATCH_AS("norm", x, rmsnorm_backward(dy, x, w, rstd, dx, dw));
+}
+void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                          Tensor& dh, Tensor* dh_copy, Tensor* dw) {
+  RIG_DISPATCH_AS("norm", x, rmsnorm_backward_add(dy, x, w, rstd, dh, dh_copy, dw));
 }
 void rope_forward(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads) {
   RIG_DISPATCH_AS("elementwise", x, rope(x, pos, cos, sin, heads, false));
@@ -92,6 +100,10 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
 void add_(Tensor& a, const Tensor& b, float alpha) { RIG_DISPATCH_AS("elementwise", a, add_(a, b, alpha)); }
 void scale_(Tensor& a, float s) { RIG_DISPATCH_AS("elementwise", a, scale_(a, s)); }
 double sum_squares(const Tensor& a) { RIG_DISPATCH_AS("optimizer", a, sum_squares(a)); }
+std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
+  if (ts.empty()) return {};
+  RIG_DISPATCH_AS("optimizer", ts.front(), sum_squares_list(ts));
+}
 void cast(const Tensor& src, Tensor& dst) { RIG_DISPATCH_AS("elementwise", dst, cast(src, dst)); }
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
   RIG_DISPATCH_AS("elementwise", x, dropout(x, p, seed, out));

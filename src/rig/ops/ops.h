@@ -15,6 +15,10 @@ void set_deterministic(bool on);
 // C = alpha * op(A) @ op(B) + beta * C, 2-D tensors; op(X) = X^T when the flag is set.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
           float beta);
+// out = alpha * op(A) @ op(B) + beta * src, src and out of one shape and dtype (out may be src).
+// The residual stream's add rides the product: no separate pass over it.
+void gemm_plus(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& src,
+               Tensor& out, float alpha, float beta);
 // C = op(A) @ op(B) + bias[None, :] (beta 0); on CUDA the bias rides cuBLASLt's epilogue.
 void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, const Tensor& bias);
 // y[r, :] += bias; db[:] += sum_r dy[r, :]
@@ -29,6 +33,12 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 // dx = (written), dw += (accumulated)
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);
+
+// The same backward added into the residual gradient, in one pass: dh += dx. dh_copy, when
+// given, receives the updated dh in its own dtype (the compute-dtype operand of the next
+// products); dw, when given, accumulates as above (a frozen norm passes none).
+void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                          Tensor& dh, Tensor* dh_copy, Tensor* dw);
 
 // Rotary embedding in Hugging Face's half-split layout, in place on x [rows, heads*head_dim];
 // cos/sin tables are [positions, head_dim/2]; pos [rows] int64.
@@ -49,7 +59,8 @@ void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a);
 void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du);
 
 // Cross-entropy of logits [rows, V] against targets [rows] int64 (-100: ignored). Writes
-// dlogits = (softmax - onehot) * grad_scale on valid rows, 0 elsewhere (dlogits may alias logits).
+// dlogits = (softmax - onehot) * grad_scale on valid rows, 0 elsewhere (dlogits may alias logits,
+// or, on CUDA, have another dtype: the bf16 operand of the products that follow).
 // Returns the summed loss over valid rows (double) and adds their count to *valid.
 double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
                      Tensor* dlogits, int64_t* valid);
@@ -58,6 +69,8 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
 void add_(Tensor& a, const Tensor& b, float alpha = 1.0f);  // a += alpha * b
 void scale_(Tensor& a, float s);
 double sum_squares(const Tensor& a);  // in double
+// sum_squares of each tensor of a list (on CUDA one read back for the whole list).
+std::vector<double> sum_squares_list(const std::vector<Tensor>& ts);
 // dst = src converted to dst's dtype (F32 <-> BF16), same element count; rounds to nearest even.
 void cast(const Tensor& src, Tensor& dst);
 // Dropout: out = x * mask / (1 - p), mask drawn from (seed, offset); p = 0 copies.

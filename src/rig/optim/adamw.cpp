@@ -9,12 +9,14 @@ namespace rig {
 
 double grad_norm(const std::vector<Param>& params) {
   // torch: the norm of the per-tensor norms, each in float32.
-  double total = 0;
+  std::vector<Tensor> grads;
   for (const auto& p : params)
-    if (p.trainable && p.grad.defined()) {
-      float n = float(std::sqrt(ops::sum_squares(p.grad)));
-      total += double(n) * n;
-    }
+    if (p.trainable && p.grad.defined()) grads.push_back(p.grad);
+  double total = 0;
+  for (double s : ops::sum_squares_list(grads)) {
+    const float n = float(std::sqrt(s));
+    total += double(n) * n;
+  }
   return std::sqrt(total);
 }
 

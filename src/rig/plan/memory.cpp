@@ -153,15 +153,17 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   const double BT = double(s.micro_batch) * double(s.seq_len);
   const double h = double(m.hidden_size);
   const double final_block = BT * (2 * h * a + 4);  // final norm input, its output, rstd
-  double per_layer_saved = la.saved_none, recompute = 0;
+  double saved = L * la.saved_none, recompute = 0;
   if (s.checkpointing == Checkpointing::selective) {
-    per_layer_saved = la.saved_selective;
+    saved = L * la.saved_selective;
     recompute = la.saved_none - la.saved_selective;
   } else if (s.checkpointing == Checkpointing::full) {
-    per_layer_saved = la.saved_full;
-    recompute = la.saved_none - la.saved_full;
+    // The first recompute_layers layers keep their input only; the others run selective.
+    const double full = s.recompute_layers < 0 ? L : std::min(L, double(s.recompute_layers));
+    saved = full * la.saved_full + (L - full) * la.saved_selective;
+    recompute = la.saved_none - (full > 0 ? la.saved_full : la.saved_selective);
   }
-  e.activations = L * per_layer_saved + final_block;
+  e.activations = saved + final_block;
   e.layer_peak = la.backward_work + recompute;
   const double chunk = std::min(double(s.loss_chunk_tokens), BT);
   e.logits = chunk * double(m.vocab_size) * (a + 4);

@@ -48,6 +48,7 @@ struct TrainSetup {
   unsigned lora_targets = kQ | kK | kV | kO;
   int64_t seq_len = 2048, micro_batch = 1, grad_accum = 1;
   Checkpointing checkpointing = Checkpointing::full;
+  int64_t recompute_layers = -1;  // full: layers that recompute, the rest selective (-1: all)
   Optimizer optimizer = Optimizer::adamw;
   Strategy strategy = Strategy::data_parallel;
   Precision precision = Precision::bf16;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -193,8 +194,13 @@ Flops flops_per_token(const ModelConfig& m, const TrainSetup& s) {
   f.matmul = (s.method == Method::full ? 6.0 : 4.0) * n;
   f.lora = 6.0 * double(c.lora_total());
   f.attention = 3 * attn_fwd;
-  if (s.checkpointing == Checkpointing::full)
-    f.recompute = 2.0 * n_layers + 2.0 * double(c.lora_total()) + attn_fwd;
+  if (s.checkpointing == Checkpointing::full) {
+    // Only the layers that recompute (selective recomputes element-wise work: no FLOPs here).
+    const double L = double(m.num_layers);
+    const double frac =
+        s.recompute_layers < 0 ? 1.0 : std::min(L, double(s.recompute_layers)) / std::max(L, 1.0);
+    f.recompute = frac * (2.0 * n_layers + 2.0 * double(c.lora_total()) + attn_fwd);
+  }
   return f;
 }
 

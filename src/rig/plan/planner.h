@@ -94,7 +94,8 @@ struct Flops {
   double per_token() const { return matmul + lora + attention + recompute; }
 };
 // FLOPs per trained token: full 6N, LoRA/QLoRA 4N (frozen weights get no weight gradient) + 6 per
-// LoRA parameter, attention 12·layers·q_dim·seq, full checkpointing one more forward.
+// LoRA parameter, attention 12·layers·q_dim·seq, full checkpointing one more forward of the layers
+// that recompute.
 // N counts the matmul weights: the decoder layers' linears and the LM head (not the lookup).
 Flops flops_per_token(const ModelConfig& m, const TrainSetup& s);
 

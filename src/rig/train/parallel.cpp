@@ -279,7 +279,9 @@ void Sharded::zero_grad() {
 double Sharded::clip_grad_norm(float max_norm) {
   finish();
   double local = 0;
-  for (auto& p : shard_params_) local += ops::sum_squares(p.grad);
+  std::vector<Tensor> grads;
+  for (auto& p : shard_params_) grads.push_back(p.grad);
+  for (double s : ops::sum_squares_list(grads)) local += s;
   Tensor t = Tensor::from_f32({float(local)}, {1});
   if (!comm_.device().is_cpu()) t = t.to(comm_.device(), "norm");
   comm_.all_reduce(t, dist::ReduceOp::Sum);

@@ -558,6 +558,13 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
       else
         c.activation_checkpointing = as_enum(ctx, *v, {"none", "full", "selective"});
     });
+  if (auto v = r.take("recompute_layers"))
+    assign(ctx, "recompute_layers", *v, [&] {
+      c.recompute_layers = as_int(ctx, *v);
+      if (c.recompute_layers < -1)
+        bad_input("{}: recompute_layers must be -1 (every layer) or a layer count, found {}",
+                  where(ctx, *v), c.recompute_layers);
+    });
   for (const char* k : {"gradient_checkpointing", "enable_activation_checkpointing"})
     if (auto v = r.take(k))
       assign(ctx, "activation_checkpointing", *v,
@@ -894,6 +901,7 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
   j["max_grad_norm"] = max_grad_norm;
   j["precision"] = precision;
   j["activation_checkpointing"] = activation_checkpointing;
+  j["recompute_layers"] = recompute_layers;
   j["strategy"] = strategy;
   j["dist"] = {{"timeout_s", dist.timeout_s}, {"bucket_mb", dist.bucket_mb}, {"powersgd_rank", dist.powersgd_rank}};
   j["eval"] = {{"every", eval.every}, {"split", eval.split}, {"batches", eval.batches}, {"generate", eval.generate}};

@@ -122,6 +122,9 @@ struct TrainConfig {
 
   std::string precision = "auto";                 // auto | fp32 | bf16 (auto: bf16 on CUDA)
   std::string activation_checkpointing = "none";  // none | full | selective
+  // full only: layers (from the first) that recompute their forward; the rest run selective.
+  // -1: every layer.
+  int64_t recompute_layers = -1;
   std::string strategy = "auto";                  // auto | ddp | sharded (fsdp) (auto: ddp)
   DistSettings dist;
   EvalSettings eval;

@@ -716,8 +716,9 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     ckpt.reset();  // drops the mapping of its files
   }
 
-  const Checkpointing ck =
-      cfg.activation_checkpointing == "none" ? Checkpointing::None : Checkpointing::Full;
+  const Checkpointing ck = cfg.activation_checkpointing == "none"        ? Checkpointing::None
+                           : cfg.activation_checkpointing == "selective" ? Checkpointing::Selective
+                                                                         : Checkpointing::Full;
   auto save = [&](int64_t s) {
     // Faults that wait for the next checkpoint.
     std::optional<Injection> kill_save = injector.take(FaultKind::KillDuringSave, s, true);
@@ -1025,6 +1026,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
       // would give.
       so.grad_scale = (trained ? 1.0f / float(trained) : 0.0f) * fault_scale;
       so.checkpointing = ck;
+      so.recompute_layers = cfg.recompute_layers;
       so.dropout_seed =
           step_seed(cfg.seed, step, int64_t(rank) * cfg.gradient_accumulation_steps + int64_t(k));
       so.hooks = step_hooks;

@@ -117,6 +117,13 @@ double sum_squares(const Tensor& a) {
   return s;
 }
 
+std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
+  std::vector<double> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(sum_squares(t));
+  return out;
+}
+
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
   const int64_t n = x.numel();
   const float* px = x.f32();

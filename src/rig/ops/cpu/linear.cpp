@@ -23,6 +23,14 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
               c.f32(), int(n));
 }
 
+void gemm_plus(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& src, Tensor& out,
+               float alpha, float beta) {
+  RIG_CHECK(src.shape() == out.shape(), "gemm_plus: src {} but out {}", shape_str(src.shape()),
+            shape_str(out.shape()));
+  if (src.raw() != out.raw()) out.copy_from(src);
+  gemm(a, ta, b, tb, out, alpha, beta);
+}
+
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
   gemm(a, ta, b, tb, c, 1.0f, 0.0f);
   add_bias(c, bias);

@@ -44,4 +44,15 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   }
 }
 
+void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                          Tensor& dh, Tensor* dh_copy, Tensor* dw) {
+  RIG_CHECK(dh.shape() == x.shape(), "rmsnorm_backward_add: dh {} for x {}", shape_str(dh.shape()),
+            shape_str(x.shape()));
+  Tensor dx = Tensor::empty(x.shape(), DType::F32, Device::cpu(), "rmsnorm dx");
+  Tensor unused = Tensor::zeros(w.shape(), DType::F32, Device::cpu(), "rmsnorm dw");
+  rmsnorm_backward(dy, x, w, rstd, dx, dw ? *dw : unused);
+  add_(dh, dx, 1.0f);
+  if (dh_copy && dh_copy->raw() != dh.raw()) dh_copy->copy_from(dh);
+}
+
 }  // namespace rig::ops::cpu

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "rig/ops/cuda/launch.h"
 
@@ -57,6 +58,56 @@ __device__ inline float block_max(float v) {
   __syncthreads();
   float r = lane < nw ? sh[lane] : -INFINITY;
   return warp_max(r);
+}
+
+// 16 bytes of elements at once (8 bf16 or 4 float): element-wise kernels move data in full
+// vectors when pointers and lengths allow (is_vec_ok), converting to float in registers.
+template <typename E>
+constexpr int kVec = 16 / int(sizeof(E));
+template <typename E>
+__device__ __forceinline__ void ld_vec(const E* p, int64_t i, float (&out)[kVec<E>]) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p + i);
+  const E* e = reinterpret_cast<const E*>(&r);
+#pragma unroll
+  for (int j = 0; j < kVec<E>; ++j) out[j] = ld(e, j);
+}
+template <typename E>
+__device__ __forceinline__ void st_vec(E* p, int64_t i, const float (&v)[kVec<E>]) {
+  uint4 r;
+  E* e = reinterpret_cast<E*>(&r);
+#pragma unroll
+  for (int j = 0; j < kVec<E>; ++j) st(e, j, v[j]);
+  *reinterpret_cast<uint4*>(p + i) = r;
+}
+// Eight elements at p + i (16-byte aligned): one 16-byte access for bf16, two for float. Lets
+// kernels that mix dtypes (a float32 residual, bf16 activations) step through rows together.
+template <typename E>
+__device__ __forceinline__ void ld8(const E* p, int64_t i, float (&out)[8]) {
+  if constexpr (sizeof(E) == 2) {
+    ld_vec(p, i, out);
+  } else {
+    float a[4], b[4];
+    ld_vec(p, i, a);
+    ld_vec(p, i + 4, b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = a[j], out[j + 4] = b[j];
+  }
+}
+template <typename E>
+__device__ __forceinline__ void st8(E* p, int64_t i, const float (&v)[8]) {
+  if constexpr (sizeof(E) == 2) {
+    st_vec(p, i, v);
+  } else {
+    const float a[4] = {v[0], v[1], v[2], v[3]}, b[4] = {v[4], v[5], v[6], v[7]};
+    st_vec(p, i, a);
+    st_vec(p, i + 4, b);
+  }
+}
+inline bool is_vec_ok(int64_t n_elems, int elem_bytes, std::initializer_list<const void*> ptrs) {
+  if ((n_elems * elem_bytes) % 16 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {

@@ -1,5 +1,5 @@
 // Cross-entropy with ignore index -100: one block per row (online max/sum in float32, then the
-// gradient written in place), then one block adds the row losses in row order (double) and counts
+// gradient written in place or into a tensor of its own dtype), then one block adds the row losses in row order (double) and counts
 // the valid rows, so the host copies back a single small record.
 #include "rig/ops/cuda/common.cuh"
 
@@ -7,12 +7,12 @@ namespace rig::ops::cuda::k {
 
 namespace {
 
-template <typename E>
+template <typename E, typename G>
 __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V, float scale,
-                              E* dlogits, float* row_loss) {
+                              G* dlogits, float* row_loss) {
   const int64_t r = blockIdx.x;
   const E* x = logits + r * V;
-  E* dx = dlogits ? dlogits + r * V : nullptr;
+  G* dx = dlogits ? dlogits + r * V : nullptr;
   const int64_t t = targets[r];
   if (t < 0 || t >= V) {  // ignored (-100) or invalid (reported by the finishing kernel)
     if (dx)
@@ -81,12 +81,12 @@ int ce_threads(int64_t V) {
 }  // namespace
 
 cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows,
-                          int64_t V, float grad_scale, void* dlogits, float* row_loss,
+                          int64_t V, float grad_scale, T td, void* dlogits, float* row_loss,
                           CeResult* out, cudaStream_t s) {
   if (rows > 0)
-    RIG_K_DISPATCH(t, E, (ce_row_kernel<E><<<unsigned(rows), ce_threads(V), 0, s>>>(
+    RIG_K_DISPATCH(t, E, RIG_K_DISPATCH(td, G, (ce_row_kernel<E, G><<<unsigned(rows), ce_threads(V), 0, s>>>(
                              static_cast<const E*>(logits), targets, V, grad_scale,
-                             static_cast<E*>(dlogits), row_loss)));
+                             static_cast<G*>(dlogits), row_loss))));
   ce_finish_kernel<<<1, 1024, 0, s>>>(row_loss, targets, rows, V, out);
   return cudaGetLastError();
 }

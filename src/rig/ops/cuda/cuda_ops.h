@@ -27,6 +27,8 @@ struct QuantizedWeight;
 namespace rig::ops::cuda {
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta);
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias);
+void gemm_plus(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& src, Tensor& out,
+               float alpha, float beta);
 // How many gemm_bias calls found no bias-epilogue algorithm and ran gemm + add_bias instead.
 int64_t gemm_bias_fallbacks();
 // Attention implementation: "auto" (default, or the RIG_ATTENTION environment variable): cuDNN's
@@ -46,6 +48,8 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);
+void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                          Tensor& dh, Tensor* dh_copy, Tensor* dw);
 void rope(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads,
           bool backward);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
@@ -60,6 +64,7 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
 void add_(Tensor& a, const Tensor& b, float alpha);
 void scale_(Tensor& a, float s);
 double sum_squares(const Tensor& a);
+std::vector<double> sum_squares_list(const std::vector<Tensor>& ts);
 void cast(const Tensor& src, Tensor& dst);
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);

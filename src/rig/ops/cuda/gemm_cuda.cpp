@@ -86,10 +86,11 @@ struct Pref {
   ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
 };
 
-// C = alpha op(A) op(B) + beta C (+ bias per column of C through the bias epilogue). Returns false
-// when cuBLASLt has no algorithm for the bias epilogue, having done nothing.
+// C = alpha op(A) op(B) + beta src (+ bias per column of C through the bias epilogue); src is C
+// itself unless given. Returns false when cuBLASLt has no algorithm for the bias epilogue, having
+// done nothing.
 bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta,
-            const Tensor* bias) {
+            const Tensor* bias, const Tensor* src = nullptr) {
   const char* op = "gemm";
   const int dev = c.device().index;
   check_on(a, dev, op, "A");
@@ -106,6 +107,13 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
             dtype_name(a.dtype()), dtype_name(b.dtype()));
   RIG_CHECK(!(a.dtype() == DType::F32 && c.dtype() != DType::F32),
             "gemm: F32 inputs need an F32 output, got {}", dtype_name(c.dtype()));
+  if (src) {
+    check_on(*src, dev, op, "src");
+    RIG_CHECK(src->shape() == c.shape() && src->dtype() == c.dtype(),
+              "gemm_plus: src is {} {} but out is {} {}", dtype_name(src->dtype()),
+              shape_str(src->shape()), dtype_name(c.dtype()), shape_str(c.shape()));
+    if (src->raw() == c.raw()) src = nullptr;
+  }
   if (bias) {
     check_on(*bias, dev, op, "bias");
     ktype(*bias, op, "bias");
@@ -113,6 +121,7 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
   }
   if (m == 0 || n == 0) return true;
   if (k == 0) {
+    if (src && beta != 0) c.copy_from(*src);
     if (beta == 0) c.zero_(); else scale_(c, beta);
     if (bias) add_bias(c, *bias);
     return true;
@@ -148,8 +157,9 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
                                               a.dim(1)));
   RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.d, tc, uint64_t(n), uint64_t(m), n));
 
+  const void* c_in = src ? src->raw() : c.raw();
   const AlgoKey key{dev, m, n, k, ta, tb, int(tab), int(tc), alignment(b.raw()),
-                    alignment(a.raw()), alignment(c.raw()), beta == 0.0f,
+                    alignment(a.raw()), std::min(alignment(c.raw()), alignment(c_in)), beta == 0.0f,
                     bias ? int(cuda_type(bias->dtype())) : -1};
   auto it = algos().find(key);
   if (it == algos().end()) {
@@ -181,7 +191,7 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
   }
   if (!it->second) return false;
   RIG_CUBLAS_CHECK(cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
-                                  c.raw(), lc.d, c.raw(), lc.d, &*it->second, ld.workspace.raw(),
+                                  c_in, lc.d, c.raw(), lc.d, &*it->second, ld.workspace.raw(),
                                   kWorkspace, stream_for(dev)));
   return true;
 }
@@ -190,6 +200,11 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
 
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
   matmul(a, ta, b, tb, c, alpha, beta, nullptr);
+}
+
+void gemm_plus(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& src, Tensor& out,
+               float alpha, float beta) {
+  matmul(a, ta, b, tb, out, alpha, beta, nullptr, &src);
 }
 
 void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {

@@ -62,6 +62,10 @@ cudaError_t rmsnorm_fwd(T tx, const void* x, T tw, const void* w, float eps, T t
 cudaError_t rmsnorm_bwd(T tdy, const void* dy, T tx, const void* x, T tw, const void* w,
                         const float* rstd, T tdx, void* dx, T tdw, void* dw, float* partial,
                         int64_t rows, int64_t h, cudaStream_t s);
+// dh (float32) += dx; copy (null, or [rows, h] in tc) receives the new dh; dw += when not null.
+cudaError_t rmsnorm_bwd_add(T tdy, const void* dy, T tx, const void* x, T tw, const void* w,
+                            const float* rstd, float* dh, T tc, void* copy, T tdw, void* dw,
+                            float* partial, int64_t rows, int64_t h, cudaStream_t s);
 cudaError_t add_bias(T ty, void* y, T tb, const void* b, int64_t rows, int64_t n, cudaStream_t s);
 cudaError_t bias_bwd(T tdy, const void* dy, T tdb, void* db, float* partial, int64_t rows,
                      int64_t n, cudaStream_t s);
@@ -83,7 +87,7 @@ cudaError_t attention_bwd(T t, const void* dout, const void* q, const void* k, c
                           void* dq, void* dk, void* dv, AttnDims d, cudaStream_t s);
 int attention_max_head_dim();
 
-// ---- cross_entropy.cu (logits/dlogits one dtype t, dlogits may alias logits)
+// ---- cross_entropy.cu (dlogits may alias logits or have its own dtype td)
 struct CeResult {
   double loss;
   long long count;
@@ -92,7 +96,7 @@ struct CeResult {
 };
 // row_loss scratch [rows] float32; out one CeResult on the device.
 cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows,
-                          int64_t V, float grad_scale, void* dlogits, float* row_loss,
+                          int64_t V, float grad_scale, T td, void* dlogits, float* row_loss,
                           CeResult* out, cudaStream_t s);
 
 // ---- nf4.cu (bitsandbytes 4-bit weights: packed nibbles, element 2i in the high nibble)

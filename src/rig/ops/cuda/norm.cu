@@ -38,6 +38,83 @@ __global__ void rmsnorm_dx_kernel(const DY* dy, const X* x, const W* w, const fl
     st(dx, r * h + j, rs * (ld(dy, r * h + j) * ld(w, j) - ld(x, r * h + j) * c));
 }
 
+// The two kernels above on eight elements at a time (h a multiple of 8, rows 16-byte aligned).
+template <typename X, typename W, typename Y>
+__global__ void rmsnorm_fwd_vec_kernel(const X* x, const W* w, float eps, Y* y, float* rstd,
+                                       int64_t h) {
+  const int64_t r = blockIdx.x;
+  const X* xr = x + r * h;
+  float ss = 0;
+  for (int64_t j = threadIdx.x * 8; j < h; j += blockDim.x * 8) {
+    float v[8];
+    ld8(xr, j, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+  }
+  ss = block_sum(ss);
+  const float rs = rsqrtf(ss / float(h) + eps);
+  if (threadIdx.x == 0) rstd[r] = rs;
+  for (int64_t j = threadIdx.x * 8; j < h; j += blockDim.x * 8) {
+    float v[8], wv[8];
+    ld8(xr, j, v);
+    ld8(w, j, wv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = wv[e] * round_as<X>(v[e] * rs);
+    st8(y + r * h, j, v);
+  }
+}
+
+template <typename DY, typename X, typename W, typename C>
+__global__ void rmsnorm_dx_add_vec_kernel(const DY* dy, const X* x, const W* w, const float* rstd,
+                                          float* dh, C* copy, int64_t h) {
+  const int64_t r = blockIdx.x;
+  const float rs = rstd[r];
+  const DY* dyr = dy + r * h;
+  const X* xr = x + r * h;
+  float dot = 0;
+  for (int64_t j = threadIdx.x * 8; j < h; j += blockDim.x * 8) {
+    float a[8], b[8], c[8];
+    ld8(dyr, j, a);
+    ld8(w, j, b);
+    ld8(xr, j, c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dot += a[e] * b[e] * c[e];
+  }
+  dot = block_sum(dot);
+  const float c = dot / float(h) * rs * rs;
+  for (int64_t j = threadIdx.x * 8; j < h; j += blockDim.x * 8) {
+    float a[8], b[8], xv[8], d[8];
+    ld8(dyr, j, a);
+    ld8(w, j, b);
+    ld8(xr, j, xv);
+    ld8(dh + r * h, j, d);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[e] += rs * (a[e] * b[e] - xv[e] * c);
+    st8(dh + r * h, j, d);
+    if (copy) st8(copy + r * h, j, d);
+  }
+}
+
+// dh += dx (float32 residual gradient), and the sum written to copy (the next products' operand)
+// when given: one pass instead of dx, an add and a cast.
+template <typename DY, typename X, typename W, typename C>
+__global__ void rmsnorm_dx_add_kernel(const DY* dy, const X* x, const W* w, const float* rstd,
+                                      float* dh, C* copy, int64_t h) {
+  const int64_t r = blockIdx.x;
+  const float rs = rstd[r];
+  float dot = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+    dot += ld(dy, r * h + j) * ld(w, j) * ld(x, r * h + j);
+  dot = block_sum(dot);
+  const float c = dot / float(h) * rs * rs;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    const int64_t i = r * h + j;
+    const float v = dh[i] + rs * (ld(dy, i) * ld(w, j) - ld(x, i) * c);
+    dh[i] = v;
+    if (copy) st(copy, i, v);
+  }
+}
+
 constexpr int kColX = 32, kColY = 8;
 
 // partial[chunk, j] = sum over the chunk's rows of dy[r, j] (* x[r, j] * rstd[r] for rmsnorm).
@@ -112,6 +189,13 @@ cudaError_t rmsnorm_fwd(T tx, const void* x, T tw, const void* w, float eps, T t
                         float* rstd, int64_t rows, int64_t h, cudaStream_t s) {
   if (rows == 0) return cudaSuccess;
   const int th = row_threads(h);
+  const bool vec = h % 8 == 0 && is_vec_ok(h, 2, {x, w, y});  // 8 elements: 16 bytes of bf16
+  if (vec) {
+    RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(ty, Y, (rmsnorm_fwd_vec_kernel<X, W, Y><<<unsigned(rows), th, 0, s>>>(
+                                                                           static_cast<const X*>(x), static_cast<const W*>(w), eps,
+                                                                           static_cast<Y*>(y), rstd, h)))));
+    return cudaGetLastError();
+  }
   RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(ty, Y, (rmsnorm_fwd_kernel<X, W, Y><<<unsigned(rows), th, 0, s>>>(
                                                                          static_cast<const X*>(x), static_cast<const W*>(w), eps,
                                                                          static_cast<Y*>(y), rstd, h)))));
@@ -128,6 +212,23 @@ cudaError_t rmsnorm_bwd(T tdy, const void* dy, T tx, const void* x, T tw, const 
       static_cast<const DY*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, static_cast<DX*>(dx), h))))));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
+  return colsum<true>(tdy, dy, tx, x, rstd, tdw, dw, partial, rows, h, s);
+}
+
+cudaError_t rmsnorm_bwd_add(T tdy, const void* dy, T tx, const void* x, T tw, const void* w,
+                            const float* rstd, float* dh, T tc, void* copy, T tdw, void* dw,
+                            float* partial, int64_t rows, int64_t h, cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  const int th = row_threads(h);
+  const bool vec = h % 8 == 0 && is_vec_ok(h, 2, {dy, x, w, dh, copy});
+  if (vec)
+    RIG_K_DISPATCH(tdy, DY, RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(tc, C, (rmsnorm_dx_add_vec_kernel<DY, X, W, C><<<unsigned(rows), th, 0, s>>>(
+        static_cast<const DY*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, dh, static_cast<C*>(copy), h))))));
+  else
+  RIG_K_DISPATCH(tdy, DY, RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(tc, C, (rmsnorm_dx_add_kernel<DY, X, W, C><<<unsigned(rows), th, 0, s>>>(
+      static_cast<const DY*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, dh, static_cast<C*>(copy), h))))));
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || !dw) return e;
   return colsum<true>(tdy, dy, tx, x, rstd, tdw, dw, partial, rows, h, s);
 }
 

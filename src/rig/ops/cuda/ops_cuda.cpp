@@ -201,6 +201,44 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
                op);
 }
 
+void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                          Tensor& dh, Tensor* dh_copy, Tensor* dw) {
+  const char* op = "rmsnorm_backward_add";
+  const int dev = x.device().index;
+  for (auto [t, n] : {std::pair{&dy, "dy"}, {&w, "w"}, {&rstd, "rstd"}, {&dh, "dh"}})
+    check_on(*t, dev, op, n);
+  check_dtype(rstd, DType::F32, op, "rstd");
+  check_dtype(dh, DType::F32, op, "dh");
+  RIG_CHECK(x.ndim() == 2 && w.numel() == x.dim(1) && rstd.numel() == x.dim(0),
+            "{}: x {} w {} rstd {}", op, shape_str(x.shape()), shape_str(w.shape()),
+            shape_str(rstd.shape()));
+  same_shape(x, dy, op, "x", "dy");
+  same_shape(x, dh, op, "x", "dh");
+  if (dh_copy) {
+    check_on(*dh_copy, dev, op, "dh_copy");
+    same_shape(x, *dh_copy, op, "x", "dh_copy");
+    RIG_CHECK(dh_copy->raw() != dh.raw(), "{}: dh_copy must not be dh", op);
+  }
+  if (dw) {
+    check_on(*dw, dev, op, "dw");
+    RIG_CHECK(dw->numel() == x.dim(1), "{}: dw {} for x {}", op, shape_str(dw->shape()),
+              shape_str(x.shape()));
+  }
+  DeviceGuard g(dev);
+  Tensor partial;
+  if (dw)
+    partial = scratch({k::colsum_chunks(x.dim(0)), x.dim(1)}, DType::F32, dev,
+                      "rmsnorm_backward partial sums");
+  check_status(
+      k::rmsnorm_bwd_add(ktype(dy, op, "dy"), dy.raw(), ktype(x, op, "x"), x.raw(),
+                         ktype(w, op, "w"), w.raw(), rstd.f32(), dh.f32(),
+                         dh_copy ? ktype(*dh_copy, op, "dh_copy") : k::T::F32,
+                         dh_copy ? dh_copy->raw() : nullptr, dw ? ktype(*dw, op, "dw") : k::T::F32,
+                         dw ? dw->raw() : nullptr, dw ? partial.f32() : nullptr, x.dim(0),
+                         x.dim(1), stream_for(dev)),
+      op);
+}
+
 // ---- rope ---------------------------------------------------------------------------------
 
 void rope(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads,
@@ -445,8 +483,8 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
   if (dlogits) {
     check_on(*dlogits, dev, op, "dlogits");
     same_shape(logits, *dlogits, op, "logits", "dlogits");
-    RIG_CHECK(dlogits->dtype() == logits.dtype(), "{}: dlogits is {} but logits are {}", op,
-              dtype_name(dlogits->dtype()), dtype_name(logits.dtype()));
+    RIG_CHECK(dlogits->raw() != logits.raw() || dlogits->dtype() == logits.dtype(),
+              "{}: dlogits in place must keep the logits' dtype", op);
   }
   const int64_t rows = logits.dim(0), V = logits.dim(1);
   DeviceGuard g(dev);
@@ -454,6 +492,7 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
   Tensor res = scratch({int64_t(sizeof(k::CeResult))}, DType::U8, dev, "cross_entropy result");
   auto* dres = static_cast<k::CeResult*>(res.raw());
   check_status(k::cross_entropy(t, logits.raw(), targets.data<int64_t>(), rows, V, grad_scale,
+                                dlogits ? ktype(*dlogits, op, "dlogits") : t,
                                 dlogits ? dlogits->raw() : nullptr, row_loss.f32(), dres,
                                 stream_for(dev)),
                op);
@@ -502,6 +541,38 @@ double sum_squares(const Tensor& a) {
   RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));
   raise_device_errors(dev);
   return h;
+}
+
+std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
+  const char* op = "sum_squares_list";
+  const int dev = ts.front().device().index;
+  const int64_t n = int64_t(ts.size());
+  std::vector<int> blocks(ts.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    check_on(ts[i], dev, op, "tensor");
+    blocks[i] = int(std::clamp<int64_t>((ts[i].numel() + 255) / 256, 1, 1024));
+    total += blocks[i];
+  }
+  DeviceGuard g(dev);
+  // Partials of every tensor, then the n sums at the end: one copy back, one synchronisation.
+  Tensor scratch_t = scratch({total + n}, DType::F64, dev, "sum_squares_list partial sums");
+  double* p = scratch_t.data<double>();
+  double* sums = p + total;
+  int64_t at = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    check_status(k::sum_squares_partial(ktype(ts[i], op, "tensor"), ts[i].raw(), ts[i].numel(),
+                                        p + at, blocks[i], stream_for(dev)),
+                 op);
+    check_status(k::sum_doubles(p + at, blocks[i], sums + i, stream_for(dev)), op);
+    at += blocks[i];
+  }
+  std::vector<double> out(ts.size());
+  RIG_CUDA_CHECK(cudaMemcpyAsync(out.data(), sums, sizeof(double) * ts.size(),
+                                 cudaMemcpyDeviceToHost, stream_for(dev)));
+  RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));
+  raise_device_errors(dev);
+  return out;
 }
 
 void cast(const Tensor& src, Tensor& dst) {

@@ -18,7 +18,7 @@ struct Opts {
   std::string model, preset, precision = "auto", lora_targets = "all";
   int64_t hidden = 256, layers = 8, heads = 8, kv_heads = 4, inter = 688, vocab = 8000;
   int64_t batch = 4, seq = 256, steps = 5, warmup = 1;
-  std::string method = "full", device = "cpu";
+  std::string method = "full", device = "cpu", optimizer = "adamw";
   int lora_r = 16;
   std::string ckpt = "none";
   int64_t recompute_layers = -1;
@@ -53,8 +53,11 @@ int run(const Opts& o) {
                         {"num_key_value_heads", o.kv_heads}};
     // A catalogue shape with plain RoPE, as bench/hf_baseline.py builds it, for side-by-side runs.
     if (!o.preset.empty()) j.update(rig::catalog_bench_config(o.preset, "--preset"));
-    m = rig::LlamaModel::random(rig::ModelConfig::from_json(j, "bench shape"), 1);
-    if (qlora) m->quantize_weights();  // NF4, blocks of 64, double quantization
+    // QLoRA: NF4, blocks of 64, double quantization, each weight quantized as it is drawn (a 70B
+    // shape never exists in float32).
+    rig::LoadOptions lo;
+    lo.quantize = qlora;
+    m = rig::LlamaModel::random(rig::ModelConfig::from_json(j, "bench shape"), 1, lo);
   }
   if (o.method == "lora" || qlora) {
     rig::LoraConfig lc;
@@ -83,7 +86,11 @@ int run(const Opts& o) {
                     rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64), {}, {}};
   for (int64_t i = 0; i < o.batch * o.seq; ++i)
     b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % uint64_t(cfg.vocab_size));
-  rig::AdamW opt(rig::OptimizerConfig{});
+  if (o.optimizer != "adamw" && o.optimizer != "adamw8bit")
+    rig::bad_input("--optimizer '{}' is not one of adamw, adamw8bit", o.optimizer);
+  rig::OptimizerConfig oc;
+  oc.eight_bit = o.optimizer == "adamw8bit";
+  rig::AdamW opt(oc);
   rig::StepOptions so;
   if (o.ckpt != "none" && o.ckpt != "full" && o.ckpt != "selective")
     rig::bad_input("--checkpointing '{}' is not one of none, full, selective", o.ckpt);
@@ -141,6 +148,8 @@ int run(const Opts& o) {
                       {"seq", o.seq},
                       {"checkpointing", o.ckpt},
                       {"recompute_layers", o.recompute_layers},
+                      {"optimizer", o.optimizer},
+                      {"optimizer_state_bytes", opt.state_bytes()},
                       {"tokens_per_s", tokens / secs},
                       {"tflops", tokens / secs * flops_per_token / 1e12},
                       {"step_ms", 1e3 * secs / double(o.steps)},
@@ -188,6 +197,8 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
   app.add_option("--method", o->method, "full, lora or qlora (LoRA on NF4 weights)")
       ->capture_default_str();
   app.add_option("--lora-r", o->lora_r, "LoRA rank")->capture_default_str();
+  app.add_option("--optimizer", o->optimizer, "adamw (float32 moments) or adamw8bit")
+      ->capture_default_str();
   app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
   app.add_flag("--checkpointing{full}", o->ckpt,
                "activation checkpointing: none, selective (recompute the element-wise work) or "

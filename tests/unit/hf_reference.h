@@ -30,13 +30,19 @@ inline OptimizerConfig optimizer_from(const nlohmann::json& cfg) {
 // Replays the 300-step run of the fixture folder `dir` (hf/tiny-llama3/: its batches, optimizer
 // and 20-step warm-up) on `m`. After each step `keep_going(step, relative difference from
 // transformers' loss, loss, transformers' loss)` reports a failure if it sees one and says
-// whether to go on. Returns the worst relative difference of the steps run.
+// whether to go on. Returns the worst relative difference of the steps run. `variant`, when given,
+// supplies the optimizer's 8-bit settings; `state_bytes` receives its state's size at the end.
 inline double replay_loss_curve(
     LlamaModel& m, const std::string& dir,
-    const std::function<bool(int64_t step, double rel, double loss, double want)>& keep_going) {
+    const std::function<bool(int64_t step, double rel, double loss, double want)>& keep_going,
+    const OptimizerConfig* variant = nullptr, size_t* state_bytes = nullptr) {
   const auto ref = nlohmann::json::parse(read_file(dir + "loss_curve.json"));
   const Tensor tokens = SafeTensorsFile::open(dir + "loss_curve_data.safetensors").get("tokens");
-  const OptimizerConfig oc = optimizer_from(ref["optimizer"]);
+  OptimizerConfig oc = optimizer_from(ref["optimizer"]);
+  if (variant) {
+    oc.eight_bit = variant->eight_bit;
+    oc.min_8bit_size = variant->min_8bit_size;
+  }
   AdamW opt(oc);
   const int64_t steps = ref["steps"], B = ref["batch"], T = ref["seq"], row = tokens.dim(2);
   double worst = 0;
@@ -56,6 +62,7 @@ inline double replay_loss_curve(
     worst = std::max(worst, rel);
     if (!keep_going(s, rel, loss, want)) break;
   }
+  if (state_bytes) *state_bytes = opt.state_bytes();
   return worst;
 }
 

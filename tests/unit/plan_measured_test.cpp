@@ -15,8 +15,10 @@ namespace {
 
 struct Case {
   const char* name;
-  bool lora;
-  bool ckpt;
+  plan::Method method;
+  plan::Checkpointing ckpt;
+  int64_t recompute_layers = -1;
+  bool adam8 = false;
 };
 
 class PlanMeasured : public ::testing::TestWithParam<Case> {};
@@ -31,12 +33,14 @@ TEST_P(PlanMeasured, PeakWithinTenPercent) {
   ModelConfig cfg = ModelConfig::from_json(j, "plan-measured");
   const int64_t B = 4, T = 128;
   plan::TrainSetup s;
-  s.method = c.lora ? plan::Method::lora : plan::Method::full;
+  s.method = c.method;
   s.lora_rank = 16;
   s.lora_targets = plan::parse_lora_targets("all");
   s.seq_len = T;
   s.micro_batch = B;
-  s.checkpointing = c.ckpt ? plan::Checkpointing::full : plan::Checkpointing::none;
+  s.checkpointing = c.ckpt;
+  s.recompute_layers = c.recompute_layers;
+  s.optimizer = c.adam8 ? plan::Optimizer::adamw8bit : plan::Optimizer::adamw;
   s.precision = plan::Precision::fp32;
   s.context_bytes = 0;
   s.gemm_workspace_bytes = 0;
@@ -47,8 +51,10 @@ TEST_P(PlanMeasured, PeakWithinTenPercent) {
   const size_t base = a.in_use();
   a.reset_peak();
   {
-    auto m = LlamaModel::random(cfg, 1);
-    if (c.lora) {
+    LoadOptions lo;
+    lo.quantize = c.method == plan::Method::qlora;
+    auto m = LlamaModel::random(cfg, 1, lo);
+    if (c.method != plan::Method::full) {
       LoraConfig lc;
       lc.r = 16;
       lc.alpha = 32;
@@ -58,9 +64,14 @@ TEST_P(PlanMeasured, PeakWithinTenPercent) {
     TokenBatch b{Tensor::empty({B, T}, DType::I64), Tensor::empty({B, T}, DType::I64), {}, {}};
     for (int64_t i = 0; i < B * T; ++i)
       b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % 2048);
-    AdamW opt(OptimizerConfig{});
+    OptimizerConfig oc;
+    oc.eight_bit = c.adam8;
+    AdamW opt(oc);
     StepOptions so;
-    so.checkpointing = c.ckpt ? Checkpointing::Full : Checkpointing::None;
+    so.checkpointing = c.ckpt == plan::Checkpointing::full        ? Checkpointing::Full
+                       : c.ckpt == plan::Checkpointing::selective ? Checkpointing::Selective
+                                                                  : Checkpointing::None;
+    so.recompute_layers = c.recompute_layers;
     so.loss_chunk_rows = 1024;
     for (int step = 0; step < 2; ++step) {
       m->zero_grad();
@@ -74,7 +85,15 @@ TEST_P(PlanMeasured, PeakWithinTenPercent) {
   EXPECT_NEAR(predicted, measured, 0.10 * measured);
 }
 
-INSTANTIATE_TEST_SUITE_P(CpuEngine, PlanMeasured,
-                         ::testing::Values(Case{"full", false, false}, Case{"full_ckpt", false, true},
-                                           Case{"lora", true, false}, Case{"lora_ckpt", true, true}),
-                         [](const auto& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    CpuEngine, PlanMeasured,
+    ::testing::Values(Case{"full", plan::Method::full, plan::Checkpointing::none},
+                      Case{"full_ckpt", plan::Method::full, plan::Checkpointing::full},
+                      Case{"full_selective", plan::Method::full, plan::Checkpointing::selective},
+                      Case{"full_ckpt_2_of_4", plan::Method::full, plan::Checkpointing::full, 2},
+                      Case{"full_adamw8bit", plan::Method::full, plan::Checkpointing::none, -1, true},
+                      Case{"lora", plan::Method::lora, plan::Checkpointing::none},
+                      Case{"lora_ckpt", plan::Method::lora, plan::Checkpointing::full},
+                      Case{"lora_selective", plan::Method::lora, plan::Checkpointing::selective},
+                      Case{"qlora_ckpt", plan::Method::qlora, plan::Checkpointing::full}),
+    [](const auto& i) { return std::string(i.param.name); });

@@ -231,6 +231,39 @@ TEST(QLoRA, QuantizeWhileLoadingReproducesTheBitsandbytesFolder) {
       EXPECT_TRUE(same_bytes(t, bnb.get(k))) << k;
 }
 
+// A random model quantized as it is drawn (what rig bench train and init: random do for QLoRA, so a
+// 70B shape never exists in float32) is the random model quantized afterwards, byte for byte.
+TEST(QLoRA, RandomModelQuantizedWhileDrawnEqualsQuantizedAfterwards) {
+  const ModelConfig cfg = ModelConfig::from_json(
+      {{"model_type", "llama"}, {"vocab_size", 300}, {"hidden_size", 96}, {"intermediate_size", 200},
+       {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}},
+      "test");
+  auto after = LlamaModel::random(cfg, 5);
+  after->quantize_weights();
+  LoadOptions lo;
+  lo.quantize = true;
+  auto drawn = LlamaModel::random(cfg, 5, lo);
+  ASSERT_EQ(after->params().size(), drawn->params().size());
+  int four_bit = 0;
+  for (size_t i = 0; i < after->params().size(); ++i) {
+    const Param &a = after->params()[i], &b = drawn->params()[i];
+    ASSERT_EQ(a.name, b.name);
+    ASSERT_EQ(bool(a.quant), bool(b.quant)) << a.name;
+    EXPECT_EQ(a.trainable, b.trainable) << a.name;
+    if (!a.quant) {
+      EXPECT_EQ(0, std::memcmp(a.value.raw(), b.value.raw(), a.value.nbytes())) << a.name;
+      continue;
+    }
+    ++four_bit;
+    for (auto [x, y] : {std::pair{&a.quant->packed, &b.quant->packed}, {&a.quant->absmax, &b.quant->absmax}}) {
+      ASSERT_EQ(x->nbytes(), y->nbytes()) << a.name;
+      EXPECT_EQ(0, std::memcmp(x->raw(), y->raw(), x->nbytes())) << a.name;
+    }
+  }
+  EXPECT_EQ(four_bit, 2 * 7);
+  EXPECT_EQ(after->quantized_bytes(), drawn->quantized_bytes());
+}
+
 TEST(QuantizeCli, WritesTransformersFolderByteForByte) {
   const std::string dir = test::temp_dir("quantize_cli");
   auto r = test::run_rig("quantize --model " + kBf16 + " --out " + dir + "/q");

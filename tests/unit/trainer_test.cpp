@@ -71,6 +71,33 @@ TEST(Trainer, ResumeIsExact) {
   }
 }
 
+// optimizer: adamw8bit (every tensor 8-bit here: the demo's are small) learns, checkpoints its
+// 8-bit state, and resumes bit for bit.
+TEST(Trainer, EightBitAdamWLearnsAndResumesExactly) {
+  const std::string a = test::temp_dir("adam8_a"), b = test::temp_dir("adam8_b");
+  auto cfg = [&](const std::string& out) {
+    TrainConfig c = small_config(out, 16, 8);
+    c.optimizer.name = "adamw8bit";
+    c.optimizer.min_8bit_size = 0;
+    return c;
+  };
+  TrainHooks quiet;
+  quiet.quiet = true;
+  train(cfg(a), quiet);
+  int polls = 0;
+  TrainHooks stop = quiet;
+  stop.should_stop = [&] { return ++polls > 8; };
+  train(cfg(b), stop);
+  auto ck = SafeTensorsFile::open(b + "/checkpoints/step-8/state.safetensors");
+  bool has_codes = false;
+  for (const auto& t : ck.tensors()) has_codes |= t.name.rfind("adamw8bit.mq.", 0) == 0;
+  EXPECT_TRUE(has_codes) << "the checkpoint holds 8-bit moments";
+  train(cfg(b), quiet);
+  ASSERT_EQ(losses(a).size(), 16u);
+  EXPECT_EQ(losses(a), losses(b));
+  EXPECT_LT(losses(a).back(), losses(a).front());
+}
+
 TEST(Trainer, LoraWithDropoutResumesExactlyAndWritesPeftAdapter) {
   const std::string a = test::temp_dir("lora_a"), b = test::temp_dir("lora_b");
   auto cfg = [&](const std::string& out) {

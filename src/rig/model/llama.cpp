@@ -256,16 +256,21 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadO
   return m;
 }
 
-std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t seed) {
+std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t seed,
+                                               const LoadOptions& opt) {
   std::unique_ptr<LlamaModel> m(new LlamaModel());
-  m->build(cfg);
+  // Linear weights to quantize are registered 4-bit: no float32 storage for the whole model.
+  m->build(cfg, [&](const std::string&) { return opt.quantize; });
   // Chunks with their own seeds: the same weights for any thread count, and fast enough for
   // 8B-parameter shapes.
   constexpr int64_t kChunk = int64_t(1) << 16;
   for (size_t pi = 0; pi < m->params_.size(); ++pi) {
     Param& p = m->params_[pi];
-    float* x = p.value.f32();
-    const int64_t n = p.value.numel();
+    const bool quantize = bool(p.quant);
+    // A weight to quantize is drawn into a temporary and replaced by its 4-bit form at once.
+    Tensor drawn = quantize ? Tensor::empty(p.shape(), DType::F32, Device::cpu(), "weight") : p.value;
+    float* x = drawn.f32();
+    const int64_t n = drawn.numel();
     const bool is_norm = p.name.find("norm") != std::string::npos;
     const bool is_bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
     if (is_norm || is_bias) {
@@ -279,6 +284,14 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
       std::normal_distribution<float> normal(0.0f, 0.02f);
       for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) x[i] = normal(rng);
     }
+    if (quantize) *p.quant = quant::quantize_4bit(drawn, opt.quant_type, opt.blocksize, opt.double_quant);
+  }
+  if (opt.quantize) {
+    quant::QuantConfig qc;
+    qc.type = opt.quant_type;
+    qc.blocksize = opt.blocksize;
+    qc.double_quant = opt.double_quant;
+    m->qcfg_ = qc;
   }
   return m;
 }

@@ -104,8 +104,11 @@ class LlamaModel {
   // A bitsandbytes 4-bit folder (quantization_config in config.json; transformers' layout of
   // weight + weight.absmax/quant_map/nested_*/quant_state) keeps its linear weights 4-bit.
   static std::unique_ptr<LlamaModel> load(const std::string& dir, const LoadOptions& opt = {});
-  // Random initialisation (normal(0, 0.02) for matrices, ones for norms), seeded.
-  static std::unique_ptr<LlamaModel> random(const ModelConfig& cfg, uint64_t seed);
+  // Random initialisation (normal(0, 0.02) for matrices, ones for norms), seeded. With
+  // opt.quantize the decoder's linear weights are drawn and quantized one at a time (the same
+  // values quantize_weights() would quantize), so a 70B shape never needs its float32 copy.
+  static std::unique_ptr<LlamaModel> random(const ModelConfig& cfg, uint64_t seed,
+                                            const LoadOptions& opt = {});
 
   const ModelConfig& config() const { return cfg_; }
   // Moves every parameter (and later scratch) to `dev`. Weights stay float32 there.

@@ -14,6 +14,10 @@ struct OptimizerConfig {
   float lr = 2e-4f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
   float max_grad_norm = 1.0f;  // 0: no clipping
   bool no_decay_on_norms_and_biases = false;
+  // 8-bit moments (ops/adamw8bit.h) for tensors of at least min_8bit_size elements; smaller ones
+  // (norms, biases) keep float32 moments, as bitsandbytes does.
+  bool eight_bit = false;
+  int64_t min_8bit_size = 4096;
 };
 
 class AdamW {
@@ -26,14 +30,21 @@ class AdamW {
   double clip_and_step(std::vector<Param>& params, float lr, double norm);
   int64_t steps() const { return step_; }
 
-  // Optimizer state for checkpoints: "adamw.m.<param>", "adamw.v.<param>" and the step count.
+  // Optimizer state for checkpoints: "adamw.m.<param>", "adamw.v.<param>" (float32 moments) or
+  // "adamw8bit.{mq,mabs,vq,vabs}.<param>" (8-bit moments: codes and block absmax).
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
+  // Bytes of optimizer state held now.
+  size_t state_bytes() const;
   void load_state(const std::map<std::string, Tensor>& tensors, int64_t step, Device dev);
 
  private:
   OptimizerConfig cfg_;
   int64_t step_ = 0;
   std::map<std::string, std::pair<Tensor, Tensor>> mv_;
+  struct Moments8 {
+    Tensor mq, mabs, vq, vabs;
+  };
+  std::map<std::string, Moments8> mv8_;
 };
 
 // Global L2 norm of the gradients of trainable parameters.

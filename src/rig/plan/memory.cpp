@@ -110,14 +110,16 @@ LayerActivations layer_activations(const ModelConfig& m, const TrainSetup& s) {
   const double n_t = double(std::popcount(tg));
   const double r = full ? 0.0 : double(s.lora_rank);
 
-  // x, q, k, v, attention output, h1, g, u (always), fp32 rstd of both norms, LoRA x·A.
-  double always = BT * (a * (2 * h + 2 * q + 2 * kv + 2 * f + n_t * r) + 2 * 4);
+  // q, k, v, attention output, g, u (always) in the activation dtype; the residual stream x and
+  // h1 in float32 (the engine keeps the residual in float32 under bf16 too); fp32 rstd of both
+  // norms; LoRA x·A.
+  double always = BT * (a * (2 * q + 2 * kv + 2 * f + n_t * r) + 4 * 2 * h + 2 * 4);
   double attn = s.flash_attention ? B * heads * T * 4 : B * heads * T * T * a;
   double recomputable = a * BT * ((keep_xn1 ? h : 0) + (keep_xn2 ? h : 0) + (keep_s ? f : 0));
   LayerActivations la;
   la.saved_none = always + attn + recomputable;
   la.saved_selective = always + attn;
-  la.saved_full = BT * h * a;
+  la.saved_full = BT * h * 4;  // the float32 layer input
   // MLP backward holds dY, dX, d(s), d(g), d(u); attention backward dY, dX, dO, dq, dk, dv.
   la.backward_work = a * BT * std::max(2 * h + 3 * f, 2 * h + 2 * q + 2 * kv);
   if (!s.flash_attention) la.backward_work += B * heads * T * T * a;  // dP
@@ -146,13 +148,14 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   e.lora = double(c.lora_total()) * p * shard;
   e.gradients = trainable * p * shard;
   e.master = trainable * s.master_bytes() * shard;
-  e.optimizer = trainable * (s.optimizer == Optimizer::adamw ? 8.0 : 2.0 + 2 * 4.0 / 2048) * shard;
+  // 8-bit AdamW: a byte per moment and a float32 absmax per 256 elements of each.
+  e.optimizer = trainable * (s.optimizer == Optimizer::adamw ? 8.0 : 2.0 + 2 * 4.0 / 256) * shard;
 
   e.per_layer = layer_activations(m, s);
   const auto& la = e.per_layer;
   const double BT = double(s.micro_batch) * double(s.seq_len);
   const double h = double(m.hidden_size);
-  const double final_block = BT * (2 * h * a + 4);  // final norm input, its output, rstd
+  const double final_block = BT * (h * 4 + h * a + 4);  // final norm input (fp32), output, rstd
   double saved = L * la.saved_none, recompute = 0;
   if (s.checkpointing == Checkpointing::selective) {
     saved = L * la.saved_selective;

@@ -6,7 +6,7 @@
 //    with double quantization; embeddings, LM head and norms stay in the parameter dtype.
 //  - Every trainable parameter has a gradient in the parameter dtype, an fp32 master copy when the
 //    parameter dtype is narrower than fp32 (none in fp32), and AdamW's m and v: fp32 (8 bytes per
-//    parameter) or 8-bit blockwise (2 bytes plus an fp32 absmax per 2048 values per state).
+//    parameter) or 8-bit blockwise (2 bytes plus an fp32 absmax per 256 values per state).
 //  - Data parallel keeps a full replica per rank. Sharded splits weights, gradients, master and
 //    optimizer state evenly over the ranks and gathers one unit at a time (a decoder layer, the
 //    embedding, the LM head) into a buffer that holds 1 + prefetch units of the largest size.
@@ -90,16 +90,16 @@ ParamCounts count_params(const ModelConfig& m, const TrainSetup& s);
 // With a = activation bytes, BT = micro_batch · seq_len, q = heads·head_dim, kv =
 // kv_heads·head_dim, f = intermediate, r = LoRA rank, n_t = number of LoRA targets, the layer saves
 // (no checkpointing):
-//   x      BT·h·a    layer input (RMSNorm 1 backward)          rstd1, rstd2   2·BT·4 (fp32)
+//   x      BT·h·4    layer input, fp32 residual (RMSNorm 1)    rstd1, rstd2   2·BT·4 (fp32)
 //   xn1    BT·h·a    normed input of q,k,v  [full, or LoRA on q/k/v]
 //   q,k,v  BT·(q+2kv)·a after RoPE          attn  BT·q·a   attention output (input of o)
 //   lse    B·heads·T·4  flash-attention log-sum-exp (eager instead: B·heads·T²·a probabilities)
-//   h1     BT·h·a    residual after attention (RMSNorm 2 backward)
+//   h1     BT·h·4    fp32 residual after attention (RMSNorm 2 backward)
 //   xn2    BT·h·a    normed input of gate,up [full, or LoRA on gate/up]
 //   g,u    2·BT·f·a  gate and up outputs (SwiGLU backward)
 //   s      BT·f·a    silu(g)·u, input of down [full, or LoRA on down]
 //   x·A    BT·r·a    per LoRA target (gradient of B)
-// Full fine-tuning: BT·(a·(4h + 2q + 2kv + 3f) + 8 + 4·heads) bytes per layer.
+// Full fine-tuning: BT·(a·(2h + 2q + 2kv + 3f) + 8h + 8 + 4·heads) bytes per layer.
 struct LayerActivations {
   double saved_none = 0;       // all of the above
   double saved_selective = 0;  // without xn1, xn2, s (recomputed from x, h1, g, u)

@@ -215,18 +215,20 @@ const std::array<float, 16>& code_table(QuantType t) {
   return t == QuantType::NF4 ? kNF4 : fp4;
 }
 
-std::vector<float> create_dynamic_map() {
-  // signed=True, max_exponent_bits=7, total_bits=8: for i in 0..6, the means of
-  // linspace(0.1, 1, 2^i + 1) scaled by 10^(i - 6), both signs; then 0 and 1.0; sorted.
+std::vector<float> create_dynamic_map(bool is_signed) {
+  // max_exponent_bits=7, total_bits=8: for i in 0..6, the means of linspace(0.1, 1, k + 1) scaled
+  // by 10^(i - 6), with k = 2^i and both signs (signed) or k = 2^(i+1) (unsigned); then 0 and
+  // 1.0; sorted.
   std::vector<double> data;
   for (int i = 0; i < 7; ++i) {
-    const auto b = linspace_01_1((int64_t(1) << i) + 1);
+    const auto b = linspace_01_1((int64_t(1) << (is_signed ? i : i + 1)) + 1);
     // Python: 10 ** (i - 6) (a float for i < 6, the int 1 at i = 6) times a float32 tensor.
     const float scale = i == 6 ? 1.0f : float(std::pow(10.0, double(i - 6)));
     std::vector<float> means;
     for (size_t k = 0; k + 1 < b.size(); ++k) means.push_back((b[k] + b[k + 1]) / 2.0f);
     for (float m : means) data.push_back(double(scale * m));
-    for (float m : means) data.push_back(double(-scale * m));
+    if (is_signed)
+      for (float m : means) data.push_back(double(-scale * m));
   }
   data.push_back(0.0);
   data.push_back(1.0);

@@ -42,10 +42,11 @@ bool parse_quant_type(const std::string& s, QuantType* out);
 
 // bitsandbytes' 16-value tables (functional.get_4bit_type), index = nibble.
 const std::array<float, 16>& code_table(QuantType t);
-// bitsandbytes' functional.create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
-// 256 sorted values in [-1, 1], generated the way bitsandbytes does (float32 linspace, means,
-// powers of ten), not copied from a table.
-std::vector<float> create_dynamic_map();
+// bitsandbytes' functional.create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): 256
+// sorted values in [-1, 1] (signed; double quantization, 8-bit Adam's first moment) or [0, 1]
+// (unsigned; 8-bit Adam's second moment), generated the way bitsandbytes does (float32
+// linspace, means, powers of ten), not copied from a table.
+std::vector<float> create_dynamic_map(bool is_signed = true);
 
 // torch.Tensor.mean() of a contiguous float32 vector on the CPU, bit for bit for fewer than 32768
 // elements (one thread): torch's cascade sum with `vector_width` float lanes (8 on AVX2 builds,

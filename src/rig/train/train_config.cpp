@@ -494,6 +494,12 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
         assign(ctx, "weight_decay", *x, [&] { c.optimizer.weight_decay = as_double(ctx, *x); });
       if (auto x = o.take("no_decay_on_norms_and_biases"))
         c.optimizer.no_decay_on_norms_and_biases = as_bool(ctx, *x);
+      if (auto x = o.take("min_8bit_size")) {
+        c.optimizer.min_8bit_size = as_int(ctx, *x);
+        if (c.optimizer.min_8bit_size < 0)
+          bad_input("{}: optimizer.min_8bit_size must be 0 or more, found {}", where(ctx, *x),
+                    c.optimizer.min_8bit_size);
+      }
       o.finish();
     }
   }
@@ -894,7 +900,8 @@ nlohmann::ordered_json TrainConfig::to_ordered_json() const {
                     {"betas", {optimizer.beta1, optimizer.beta2}},
                     {"eps", optimizer.eps},
                     {"weight_decay", optimizer.weight_decay},
-                    {"no_decay_on_norms_and_biases", optimizer.no_decay_on_norms_and_biases}};
+                    {"no_decay_on_norms_and_biases", optimizer.no_decay_on_norms_and_biases},
+                    {"min_8bit_size", optimizer.min_8bit_size}};
   j["schedule"] = {{"name", schedule.name},
                    {"warmup_steps", schedule.warmup_steps},
                    {"min_lr_ratio", schedule.min_lr_ratio}};

@@ -34,6 +34,7 @@ struct OptimizerSettings {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool no_decay_on_norms_and_biases = true;
+  int64_t min_8bit_size = 4096;  // adamw8bit: smaller tensors keep float32 moments
 };
 
 struct ScheduleSettings {

@@ -238,15 +238,17 @@ std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
   const bool qlora = cfg.method == "qlora";
   if (cfg.init == "random") {
     json arch = cfg.architecture_json();
+    LoadOptions lo;
+    lo.quantize = qlora;  // NF4, blocks of 64, double quantization, one weight at a time
     if (arch.is_null()) {
       if (cfg.model.empty())
         bad_input("{}: init: random needs 'architecture' or a model folder with config.json",
                   cfg.source);
-      m = LlamaModel::random(ModelConfig::load(cfg.model), cfg.seed);
+      m = LlamaModel::random(ModelConfig::load(cfg.model), cfg.seed, lo);
     } else {
-      m = LlamaModel::random(ModelConfig::from_json(arch, cfg.source + " architecture"), cfg.seed);
+      m = LlamaModel::random(ModelConfig::from_json(arch, cfg.source + " architecture"), cfg.seed,
+                             lo);
     }
-    if (qlora) m->quantize_weights();  // NF4, blocks of 64, double quantization
   } else {
     if (cfg.model.empty()) bad_input("{}: set 'model' to a Hugging Face model folder", cfg.source);
     // QLoRA: a bitsandbytes 4-bit folder loads as it is; a bf16/fp32 one is quantized to NF4
@@ -521,9 +523,12 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   // Sharded: the norm spans every rank's shards, so the strategy clips.
   oc.max_grad_norm = sharding ? 0.0f : float(cfg.max_grad_norm);
   oc.no_decay_on_norms_and_biases = cfg.optimizer.no_decay_on_norms_and_biases;
-  if (cfg.optimizer.name != "adamw")
-    bad_input("{}: optimizer '{}' is not implemented yet (use adamw)", cfg.source,
-              cfg.optimizer.name);
+  oc.eight_bit = cfg.optimizer.name == "adamw8bit";
+  oc.min_8bit_size = cfg.optimizer.min_8bit_size;
+  if (oc.eight_bit && sharding)
+    bad_input("{}: optimizer adamw8bit with strategy sharded is not supported yet (use adamw, or "
+              "strategy ddp)",
+              cfg.source);
   AdamW opt(oc);
 
   LoaderOptions lo;
@@ -577,6 +582,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
         for (const char* k : {"adamw.m.", "adamw.v."})
           if (auto m = state.find(k + p.name); m != state.end())
             opt_state[m->first] = m->second.reshape(p.value.shape());
+        for (const char* k : {"adamw8bit.mq.", "adamw8bit.mabs.", "adamw8bit.vq.", "adamw8bit.vabs."})
+          if (auto m = state.find(k + p.name); m != state.end()) opt_state[m->first] = m->second;
       }
       model->refresh_compute_weights();
       opt.load_state(opt_state, opt_step, dev);

@@ -499,6 +499,43 @@ TEST(Guard, BitFlipInAFrozenBaseWeightIsFoundAndReloaded) {
        std::to_string(seen - 1 - 2), "0", std::to_string(lost), "bitwise equal to a clean run"});
 }
 
+// The same on QLoRA: the flip lands in the packed 4-bit codes (one code moves by 8 of its 16
+// values); the hash of the stored bytes finds it and the rollback re-quantizes the base.
+TEST(Guard, BitFlipInA4BitBaseWeightIsFoundAndReloaded) {
+  const std::string base = test::temp_dir("guard_frozen_4bit");
+  const int64_t steps = 6, at = 3;
+  auto cfg = [&](const std::string& out, std::vector<std::string> more) {
+    more.insert(more.end(), {"method=qlora", "guard.replica_check_every=2", "save.every=2",
+                             "packing=false", "micro_batch_size=4", "eval.split=0",
+                             "save.keep_last=0", "optimizer.lr=1e-2",
+                             "max_steps=" + std::to_string(steps), "output_dir=" + out,
+                             "datasets.0.path=" + small_data(),
+                             "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
+                             "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
+    return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", more);
+  };
+  auto r = run(cfg(base + "/flip", {"inject=[bit-flip-frozen@3]"}));
+  EXPECT_EQ(r.rollbacks, 1);
+  auto fm = events(base + "/flip", "frozen_mismatch");
+  ASSERT_EQ(fm.size(), 1u) << read_file(base + "/flip/train.log");
+  auto rb = events(base + "/flip", "rollback");
+  ASSERT_EQ(rb.size(), 1u);
+  EXPECT_EQ(rb[0]["rule"], "frozen");
+  EXPECT_EQ(rb[0].value("reloaded_frozen_weights", false), true);
+  run(cfg(base + "/ref", {}));
+  expect_same_tensors(base + "/flip/final/adapter_model.safetensors",
+                      base + "/ref/final/adapter_model.safetensors");
+  const int64_t lost = steps_lost(base + "/flip", steps);
+  EXPECT_EQ(lost, 0);
+  const int64_t seen = fm[0]["step"];
+  check_row(
+      "05b-bit-flip-frozen-4bit",
+      {"--inject bit-flip-frozen@3", "CPU, 1 process, QLoRA (NF4 codes)", detected_by(fm[0]),
+       steps_text(seen - at),
+       "rollback to step-2, 4-bit weights re-quantized from the model, same batches",
+       std::to_string(seen - 1 - 2), "0", std::to_string(lost), "bitwise equal to a clean run"});
+}
+
 // ---- crashes, through the rig binary -----------------------------------------------------------
 
 TEST(Guard, KillsAndACorruptCheckpointResumeToTheCleanResult) {

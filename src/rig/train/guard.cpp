@@ -141,6 +141,14 @@ void poison_first_element(const std::vector<Tensor>& grads) {
 }
 
 std::pair<float, float> flip_high_exponent_bit(Tensor& t) {
+  if (t.dtype() == DType::U8) {
+    const int64_t i = t.numel() / 2;
+    Tensor h = t.reshape({t.numel()}).slice_rows(i, i + 1).to(Device::cpu(), "fault injection");
+    const uint8_t before = h.data<uint8_t>()[0];
+    h.data<uint8_t>()[0] = uint8_t(before ^ 0x80u);
+    t.reshape({t.numel()}).slice_rows(i, i + 1).copy_from(h);
+    return {float(before), float(before ^ 0x80u)};
+  }
   RIG_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
             "bit-flip: a {} tensor has no float exponent", dtype_name(t.dtype()));
   const int64_t i = t.numel() / 2;

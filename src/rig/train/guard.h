@@ -67,8 +67,9 @@ class Injector {
 // What each fault does to the tensors it hits (tests and the trainer share them).
 // A NaN into element 0 of the first tensor that has one.
 void poison_first_element(const std::vector<Tensor>& grads);
-// Flips the highest exponent bit (bit 30 of F32, bit 14 of BF16) of element numel/2 of `t`;
-// returns the value before and after as float.
+// Flips the highest exponent bit (bit 30 of F32, bit 14 of BF16) of element numel/2 of `t`, or
+// the top bit of a U8 byte (packed 4-bit weights: its first code moves by 8 of 16); returns the
+// value (the byte) before and after as float.
 std::pair<float, float> flip_high_exponent_bit(Tensor& t);
 // Flips bytes in the middle of the largest .safetensors file of a checkpoint folder; returns it.
 std::string corrupt_checkpoint_file(const std::string& ckpt_dir);

@@ -211,9 +211,11 @@ Tensor frozen_flip_target(LlamaModel& model, const Sharded* shard) {
       ++k;
     }
   } else {
-    for (auto& p : model.params())
-      if (!p.trainable && p.value.ndim() == 2 && p.name.find("layers.") != std::string::npos)
-        return p.value;
+    for (auto& p : model.params()) {
+      if (p.trainable || p.name.find("layers.") == std::string::npos) continue;
+      if (p.quant) return p.quant->packed;  // QLoRA: the packed 4-bit codes
+      if (p.value.ndim() == 2) return p.value;
+    }
   }
   bad_input("bit-flip-frozen: the model has no frozen layer weights (use method: lora)");
 }

@@ -1,0 +1,350 @@
+// The training step: each layer's forward and backward, activation checkpointing, the chunked
+// loss, and the hooks a distributed strategy uses.
+#include <algorithm>
+#include <vector>
+
+#include "rig/model/llama_parts.h"
+
+namespace rig {
+
+using namespace llama_detail;
+
+namespace llama_detail {
+
+void linear_forward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
+                    Tensor& y, Tensor* xa, const Tensor* residual) {
+  if (residual) {
+    ops::gemm_plus(x, false, L.w, true, *residual, y, 1.0f, 1.0f);
+    if (L.b.defined()) ops::add_bias(y, L.b);
+  } else if (L.b.defined()) {
+    ops::gemm_bias(x, false, L.w, true, y, L.b);
+  } else {
+    ops::gemm(x, false, L.w, true, y, 1.0f, 0.0f);
+  }
+  if (!L.a.defined()) return;
+  Tensor xd = x;
+  if (p > 0) {
+    xd = fresh_like(x, x.shape(), "lora dropout");
+    ops::dropout(x, p, seed, xd);
+  }
+  *xa = fresh_like(x, {x.dim(0), L.a.dim(0)}, "lora xa");
+  ops::gemm(xd, false, L.a, true, *xa, 1.0f, 0.0f);
+  ops::gemm(*xa, false, L.bl, true, y, scale, 1.0f);
+}
+
+void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, const Tensor& x,
+                     const Tensor& dy, const Tensor& xa, Tensor& dx, bool accumulate) {
+  if (L.dw) ops::gemm(dy, true, x, false, *L.dw, 1.0f, 1.0f);
+  if (L.db) ops::bias_backward(dy, *L.db);
+  ops::gemm(dy, false, L.w, false, dx, 1.0f, accumulate ? 1.0f : 0.0f);
+  if (!L.a.defined()) return;
+  if (L.dbl) ops::gemm(dy, true, xa, false, *L.dbl, scale, 1.0f);
+  Tensor dxa = fresh_like(x, xa.shape(), "lora dxa");
+  ops::gemm(dy, false, L.bl, false, dxa, scale, 0.0f);
+  Tensor xd = x;
+  if (p > 0) {
+    xd = fresh_like(x, x.shape(), "lora dropout");
+    ops::dropout(x, p, seed, xd);
+  }
+  if (L.da) ops::gemm(dxa, true, xd, false, *L.da, 1.0f, 1.0f);
+  if (p > 0) {
+    Tensor dxd = fresh_like(x, x.shape(), "lora dx");
+    ops::gemm(dxa, false, L.a, false, dxd, 1.0f, 0.0f);
+    ops::dropout(dxd, p, seed, xd);  // the same mask and 1/(1-p)
+    ops::add_(dx, xd);
+  } else {
+    ops::gemm(dxa, false, L.a, false, dx, 1.0f, 1.0f);
+  }
+}
+
+}  // namespace llama_detail
+
+void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b,
+                               uint64_t seed) {
+  auto grad_of = [&](int idx) -> Tensor* {
+    return idx >= 0 && params_[size_t(idx)].grad.defined() ? &params_[size_t(idx)].grad : nullptr;
+  };
+  Layer& L = *layers_[size_t(li)];
+  const int64_t N = h_in.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
+  const int64_t B = b.input_ids.dim(0), T = b.input_ids.dim(1), D = cfg_.head_dim;
+  const float eps = float(cfg_.rms_norm_eps);
+  auto lin = [&](int p, const Tensor& x, Tensor& y, const Tensor* residual = nullptr) {
+    Linear& l = L.proj[p];
+    linear_forward(RIG_LIN(l), l.lora_scale, seed ? l.lora_dropout : 0.0f, mix_seed(seed, li, p), x,
+                   y, &a.xa[p], residual);
+  };
+  a.h_in = h_in;
+  a.xn1 = act({N, H}, "xn1");
+  a.rstd1 = fresh_on(dev_, {N}, "rstd");
+  ops::rmsnorm_forward(h_in, params_[size_t(L.in_norm)].value, eps, a.xn1, a.rstd1);
+  a.q = act({N, cfg_.q_dim()}, "q");
+  a.k = act({N, cfg_.kv_dim()}, "k");
+  a.v = act({N, cfg_.kv_dim()}, "v");
+  lin(Q, a.xn1, a.q);
+  lin(K, a.xn1, a.k);
+  lin(V, a.xn1, a.v);
+  ops::rope_forward(a.q, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_heads));
+  ops::rope_forward(a.k, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_kv_heads));
+  a.attn = act({N, cfg_.q_dim()}, "attention out");
+  a.lse = fresh_on(dev_, {B, cfg_.num_heads, T}, "attention lse");
+  Tensor o4 = a.attn.reshape({B, T, cfg_.num_heads, D});
+  ops::attention_forward(a.q.reshape({B, T, cfg_.num_heads, D}),
+                         a.k.reshape({B, T, cfg_.num_kv_heads, D}),
+                         a.v.reshape({B, T, cfg_.num_kv_heads, D}), b.segment_ids, o4, a.lse);
+  a.h_mid = fresh_like(h_in, {N, H}, "residual");
+  lin(O, a.attn, a.h_mid, &h_in);
+  a.xn2 = act({N, H}, "xn2");
+  a.rstd2 = fresh_on(dev_, {N}, "rstd");
+  ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
+  a.g = act({N, F}, "gate");
+  a.u = act({N, F}, "up");
+  lin(GATE, a.xn2, a.g);
+  lin(UP, a.xn2, a.u);
+  a.act = act({N, F}, "swiglu");
+  ops::swiglu_forward(a.g, a.u, a.act);
+  a.h_out = fresh_like(h_in, {N, H}, "residual");
+  lin(DOWN, a.act, a.h_out, &a.h_mid);
+}
+
+bool LlamaModel::reads_input(int li, int proj) const {
+  const Linear& l = layers_[size_t(li)]->proj[proj];
+  return params_[size_t(l.w)].trainable || l.lora_a >= 0;  // dW, or LoRA's dA (and x·A)
+}
+
+void LlamaModel::drop_saved(int li, Acts& a, Checkpointing mode) const {
+  if (mode == Checkpointing::Full) {
+    a.drop_all_but_input();
+    return;
+  }
+  // What no backward product reads goes in every mode; selective drops the rest of the
+  // element-wise outputs too and recomputes them (recompute_saved).
+  const bool sel = mode == Checkpointing::Selective;
+  if (sel || !(reads_input(li, Q) || reads_input(li, K) || reads_input(li, V))) a.xn1 = Tensor();
+  if (sel || !(reads_input(li, GATE) || reads_input(li, UP))) a.xn2 = Tensor();
+  if (sel || !reads_input(li, DOWN)) a.act = Tensor();
+}
+
+void LlamaModel::recompute_saved(int li, Acts& a) {
+  Layer& L = *layers_[size_t(li)];
+  const int64_t N = a.h_in.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
+  const float eps = float(cfg_.rms_norm_eps);
+  if (!a.xn1.defined() && (reads_input(li, Q) || reads_input(li, K) || reads_input(li, V))) {
+    a.xn1 = act({N, H}, "xn1");
+    ops::rmsnorm_forward(a.h_in, params_[size_t(L.in_norm)].value, eps, a.xn1, a.rstd1);
+  }
+  if (!a.xn2.defined() && (reads_input(li, GATE) || reads_input(li, UP))) {
+    a.xn2 = act({N, H}, "xn2");
+    ops::rmsnorm_forward(a.h_mid, params_[size_t(L.post_norm)].value, eps, a.xn2, a.rstd2);
+  }
+  if (!a.act.defined() && reads_input(li, DOWN)) {
+    a.act = act({N, F}, "swiglu");
+    ops::swiglu_forward(a.g, a.u, a.act);
+  }
+}
+
+void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, Tensor& dh_act, const TokenBatch& b,
+                                uint64_t seed) {
+  auto grad_of = [&](int idx) -> Tensor* {
+    return idx >= 0 && params_[size_t(idx)].grad.defined() ? &params_[size_t(idx)].grad : nullptr;
+  };
+  Layer& L = *layers_[size_t(li)];
+  const int64_t N = dh.dim(0), H = cfg_.hidden_size, F = cfg_.intermediate_size;
+  const int64_t B = b.input_ids.dim(0), T = b.input_ids.dim(1), D = cfg_.head_dim;
+  auto lin_bwd = [&](int p, const Tensor& x, const Tensor& dy, Tensor& dx, bool acc) {
+    Linear& l = L.proj[p];
+    linear_backward(RIG_LIN(l), l.lora_scale, seed ? l.lora_dropout : 0.0f, mix_seed(seed, li, p),
+                    x, dy, a.xa[p], dx, acc);
+  };
+  // dh += the norm's input gradient; dh_act, the products' operand, follows (when it is a copy).
+  Tensor* dh_copy = dh_act.raw() == dh.raw() ? nullptr : &dh_act;
+  auto norm_bwd = [&](const Tensor& dxn, const Tensor& x, int norm, const Tensor& rstd) {
+    ops::rmsnorm_backward_add(dxn, x, params_[size_t(norm)].value, rstd, dh, dh_copy,
+                              grad_of(norm));
+  };
+  // MLP. The residual gradient dh stays float32; the matrix products read dh_act.
+  Tensor dact = act({N, F}, "d swiglu");
+  lin_bwd(DOWN, a.act, dh_act, dact, false);
+  Tensor dg = act({N, F}, "d gate"), du = act({N, F}, "d up");
+  ops::swiglu_backward(dact, a.g, a.u, dg, du);
+  dact = Tensor();
+  Tensor dxn = fresh_on(dev_, {N, H}, "d xn2");
+  lin_bwd(GATE, a.xn2, dg, dxn, false);
+  lin_bwd(UP, a.xn2, du, dxn, true);
+  dg = du = Tensor();
+  norm_bwd(dxn, a.h_mid, L.post_norm, a.rstd2);
+  // Attention
+  Tensor dattn = act({N, cfg_.q_dim()}, "d attention");
+  lin_bwd(O, a.attn, dh_act, dattn, false);
+  Tensor dq = act({N, cfg_.q_dim()}, "dq"), dk = act({N, cfg_.kv_dim()}, "dk"), dv = act({N, cfg_.kv_dim()}, "dv");
+  const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads;
+  Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}), dv4 = dv.reshape({B, T, Hk, D});
+  ops::attention_backward(dattn.reshape({B, T, Hq, D}), a.q.reshape({B, T, Hq, D}),
+                          a.k.reshape({B, T, Hk, D}), a.v.reshape({B, T, Hk, D}), b.segment_ids,
+                          a.attn.reshape({B, T, Hq, D}), a.lse, dq4, dk4, dv4);
+  dattn = Tensor();
+  ops::rope_backward(dq, cur_pos_, rope_cos_, rope_sin_, int(Hq));
+  ops::rope_backward(dk, cur_pos_, rope_cos_, rope_sin_, int(Hk));
+  lin_bwd(Q, a.xn1, dq, dxn, false);
+  lin_bwd(K, a.xn1, dk, dxn, true);
+  lin_bwd(V, a.xn1, dv, dxn, true);
+  norm_bwd(dxn, a.h_in, L.in_norm, a.rstd1);
+}
+
+namespace {
+// Segment ids as the attention kernels want them: each row's runs numbered 0, 1, 2, ... (the
+// packer writes 1, 2, ... and 0 for trailing padding), so they never decrease along a row and
+// the kernels can skip whole tiles before a segment's start; or no tensor at all when every row is
+// one run, which is plain causal attention (the case cuDNN's fused kernel runs). Ids that come
+// back after another run are kept as they are: renumbering would split their segment.
+Tensor attention_segments(const Tensor& seg) {
+  if (!seg.defined()) return seg;
+  const int64_t B = seg.dim(0), T = seg.dim(1);
+  const int64_t* s = seg.data<int64_t>();
+  Tensor runs = Tensor::empty(seg.shape(), DType::I64, Device::cpu(), "segment runs");
+  int64_t* r = runs.data<int64_t>();
+  bool single = true;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> seen;
+    int64_t run = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      if (t > 0 && s[i] != s[i - 1]) {
+        if (std::find(seen.begin(), seen.end(), s[i]) != seen.end()) return seg;
+        ++run;
+      }
+      if (t == 0 || s[i] != s[i - 1]) seen.push_back(s[i]);
+      r[i] = run;
+    }
+    single = single && run == 0;
+  }
+  return single ? Tensor() : runs;
+}
+}  // namespace
+
+StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
+  const Tensor& ids = batch.input_ids;
+  if (act_ != DType::F32 && !dev_.is_cuda())
+    bad_input("bf16 compute needs a CUDA device; the CPU backend computes in float32");
+  RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64, "input_ids must be int64 [B, T], got {} {}",
+            dtype_name(ids.dtype()), shape_str(ids.shape()));
+  RIG_CHECK(batch.labels.shape() == ids.shape() && batch.labels.dtype() == DType::I64,
+            "labels must be int64 {}", shape_str(ids.shape()));
+  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, H = cfg_.hidden_size, Vv = cfg_.vocab_size;
+  if (cfg_.sliding_window && T > *cfg_.sliding_window)
+    bad_input("sequence length {} exceeds the model's sliding window {}, which rig does not support yet",
+              T, *cfg_.sliding_window);
+  // Positions: given, or 0..T-1 per row.
+  cur_pos_ = Tensor::empty({N}, DType::I64, Device::cpu(), "positions");
+  int64_t max_pos = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    int64_t p = batch.position_ids.defined() ? batch.position_ids.data<int64_t>()[r] : r % T;
+    cur_pos_.data<int64_t>()[r] = p;
+    max_pos = std::max(max_pos, p);
+  }
+  ensure_rope(max_pos + 1);
+  cur_pos_ = cur_pos_.to(dev_, "positions");
+  // The batch arrives on the host; the layers need ids and segments where they run.
+  const TokenBatch& host = batch;
+  TokenBatch dbatch{ids.to(dev_, "input ids"), host.labels, {},
+                    attention_segments(host.segment_ids)};
+  if (dbatch.segment_ids.defined()) dbatch.segment_ids = dbatch.segment_ids.to(dev_, "segments");
+  const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
+  // Full checkpointing recomputes the first recompute_layers layers (all when negative); the
+  // others run selective.
+  auto mode_of = [&](size_t l) {
+    if (opt.checkpointing != Checkpointing::Full) return opt.checkpointing;
+    return opt.recompute_layers < 0 || int64_t(l) < opt.recompute_layers ? Checkpointing::Full
+                                                                          : Checkpointing::Selective;
+  };
+
+  StepHooks* hk = opt.hooks;
+  const auto phase = opt.backward ? StepHooks::Backward : StepHooks::Forward;
+  if (hk) {
+    hk->before(-1, phase);
+    bind_outer();
+  }
+  Tensor h = fresh_on(dev_, {N, H}, "embeddings");
+  ops::embedding_forward(dbatch.input_ids.reshape({N}), embed_, h);
+  std::vector<Acts> acts(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (hk) hk->before(int(l), StepHooks::Forward);
+    layer_forward(int(l), h, acts[l], dbatch, seed);
+    if (hk) hk->after(int(l), StepHooks::Forward);
+    h = acts[l].h_out;
+    if (opt.backward) {
+      drop_saved(int(l), acts[l], mode_of(l));
+    } else {
+      acts[l] = Acts{};
+    }
+  }
+  Tensor hn = act({N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
+  ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
+
+  // Targets: labels shifted left by one; the last position of each row has none.
+  Tensor targets = Tensor::empty({N}, DType::I64, Device::cpu(), "targets");
+  int64_t valid = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    int64_t t = r % T;
+    int64_t lab = t + 1 < T ? batch.labels.data<int64_t>()[r + 1] : -100;
+    targets.data<int64_t>()[r] = lab;
+    valid += lab != -100;
+  }
+  targets = targets.to(dev_, "targets");
+  const float scale = opt.grad_scale > 0 ? opt.grad_scale : (valid ? 1.0f / float(valid) : 0.0f);
+  if (opt.logits) *opt.logits = Tensor::empty({B, T, Vv}, DType::F32, Device::cpu(), "logits");
+
+  StepResult res;
+  Param* head = cfg_.tie_word_embeddings ? &params_.front() : find_param("lm_head.weight");
+  Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, dev_, "d final norm") : Tensor();
+  const int64_t chunk = std::max<int64_t>(1, opt.loss_chunk_rows);
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t r1 = std::min(N, r0 + chunk);
+    Tensor x = hn.slice_rows(r0, r1);
+    Tensor logits = fresh_on(dev_, {r1 - r0, Vv}, "logits chunk");
+    ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
+    if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
+    Tensor tg = targets.slice_rows(r0, r1);
+    // float32 logits; their gradient in the products' dtype, written by the loss itself.
+    Tensor dl = !opt.backward ? Tensor() : act_ == DType::F32 ? logits : act(logits.shape(), "d logits");
+    res.loss_sum += ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
+    if (!opt.backward) continue;
+    Tensor dx = dhn.slice_rows(r0, r1);
+    ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
+    if (head->grad.defined()) ops::gemm(dl, true, x, false, head->grad, 1.0f, 1.0f);
+  }
+  if (!opt.backward) {
+    if (hk) {
+      hk->after(-1, phase);
+      bind_outer();
+    }
+    return res;
+  }
+
+  Tensor dh = fresh_on(dev_, {N, H}, "d hidden");
+  Param* fn = find_param("model.norm.weight");
+  Tensor dfn = fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
+  ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
+  dhn = hn = Tensor();
+  Tensor dh_act = act_ == DType::F32 ? dh : act({N, H}, "d hidden operand");
+  if (dh_act.raw() != dh.raw()) ops::cast(dh, dh_act);
+  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+    if (hk) hk->before(l, StepHooks::Backward);
+    if (mode_of(size_t(l)) == Checkpointing::Full) {
+      layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
+    } else {
+      recompute_saved(l, acts[size_t(l)]);
+    }
+    layer_backward(l, acts[size_t(l)], dh, dh_act, dbatch, seed);
+    acts[size_t(l)] = Acts{};
+    if (hk) hk->after(l, StepHooks::Backward);
+  }
+  if (params_.front().grad.defined())
+    ops::embedding_backward(dbatch.input_ids.reshape({N}), dh, params_.front().grad);
+  if (hk) {
+    hk->after(-1, phase);
+    bind_outer();
+  }
+  return res;
+}
+
+}  // namespace rig

@@ -71,7 +71,8 @@ struct FlatUnit {
 class Sharded : public StepHooks {
  public:
   // Takes over the model's parameters: keeps this rank's shard of each flat unit and releases
-  // the full tensors (Param::value becomes undefined until a hook gathers it).
+  // the full tensors (Param::value, and a 4-bit weight's packed/absmax/map tensors, become
+  // undefined until a hook gathers them). No communication.
   Sharded(dist::Communicator& comm, LlamaModel& model);
   ~Sharded() override;
   // The trainable shards, one Param per unit, named by the unit: what the optimizer steps.

@@ -158,6 +158,31 @@ int64_t FlatUnit::numel() const {
 
 namespace {
 
+// The stored tensors of a 4-bit weight, under transformers' key suffixes.
+struct QuantField {
+  const char* suffix;
+  Tensor quant::QuantizedWeight::*field;
+};
+constexpr QuantField kQuantFields[] = {
+    {"", &quant::QuantizedWeight::packed},
+    {".absmax", &quant::QuantizedWeight::absmax},
+    {".quant_map", &quant::QuantizedWeight::quant_map},
+    {".nested_absmax", &quant::QuantizedWeight::nested_absmax},
+    {".nested_quant_map", &quant::QuantizedWeight::nested_quant_map},
+};
+
+// Float32 words a tensor's bytes take in a 4-bit unit: padded to 16 bytes, so every tensor
+// gathered into the unit's buffer starts as aligned as a fresh allocation's vector loads need.
+int64_t words_of(const Tensor& t) {
+  return (int64_t(t.nbytes()) + 15) / 16 * 4;
+}
+
+// A tensor's bytes as a U8 vector sharing its storage (copies between dtypes, any device).
+Tensor bytes_of(const Tensor& t) {
+  return Tensor::view(t.raw(), {int64_t(t.nbytes())}, DType::U8, t.device(),
+                      std::make_shared<Tensor>(t));
+}
+
 std::vector<std::vector<size_t>> unit_members(const LlamaModel& model,
                                               std::vector<FlatUnit>& units) {
   const std::vector<int> groups = model.param_groups();
@@ -165,22 +190,29 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model,
   int layers = 0;
   for (int g : groups) layers = std::max(layers, g + 1);
   std::vector<std::vector<size_t>> members;
+  static const char* kinds[4] = {".decay", ".no_decay", ".frozen", ".frozen_4bit"};
   for (int g = -1; g < layers; ++g)
-    for (int kind = 0; kind < 3; ++kind) {  // decay, no_decay, frozen
+    for (int kind = 0; kind < 4; ++kind) {
       FlatUnit u;
       u.group = g;
       u.trainable = kind < 2;
       u.no_decay = kind == 1;
-      u.name =
-          (g < 0 ? std::string("outer") : fmt::format("layer.{}", g)) + (kind == 0   ? ".decay"
-                                                                         : kind == 1 ? ".no_decay"
-                                                                                     : ".frozen");
+      u.four_bit = kind == 3;
+      u.name = (g < 0 ? std::string("outer") : fmt::format("layer.{}", g)) + kinds[kind];
       std::vector<size_t> m;
       for (size_t i = 0; i < ps.size(); ++i) {
         if (groups[i] != g || ps[i].trainable != u.trainable) continue;
         if (u.trainable && ps[i].no_decay != u.no_decay) continue;
+        if (bool(ps[i].quant) != u.four_bit) continue;
         m.push_back(i);
-        u.params.emplace_back(ps[i].name, ps[i].value.numel());
+        if (!u.four_bit) {
+          u.params.emplace_back(ps[i].name, ps[i].value.numel());
+          continue;
+        }
+        for (const auto& f : kQuantFields) {
+          const Tensor& t = (*ps[i].quant).*f.field;
+          if (t.defined()) u.params.emplace_back(ps[i].name + f.suffix, words_of(t));
+        }
       }
       if (m.empty()) continue;
       units.push_back(std::move(u));
@@ -206,6 +238,15 @@ struct Sharded::Unit {
   int param = -1;           // index into shard_params_
   Tensor full, gfull;       // gathered weights and full gradients while in use
   dist::WorkPtr gathering;  // a prefetch in flight into `full`
+  // 4-bit units: where each stored tensor of each weight lies in `full` (offset in words).
+  struct Piece {
+    size_t param;
+    Tensor quant::QuantizedWeight::*field;
+    Shape shape;
+    DType dtype;
+    int64_t offset;
+  };
+  std::vector<Piece> pieces;
 };
 
 struct Sharded::PendingGrad {
@@ -216,7 +257,6 @@ struct Sharded::PendingGrad {
 
 Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), model_(model) {
   RIG_CHECK(model.compute_dtype() == DType::F32, "sharded training needs float32 compute");
-  RIG_CHECK(!model.is_quantized(), "sharded training does not shard 4-bit weights yet");
   auto members = unit_members(model, units_);
   auto& ps = model.params();
   const Device dev = model.device();
@@ -224,6 +264,31 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
   for (size_t k = 0; k < units_.size(); ++k) {
     auto u = std::make_unique<Unit>();
     u->members = members[k];
+    if (units_[k].four_bit) {
+      // The bytes of every stored tensor, one after the other; this rank keeps its slice.
+      int64_t off = 0;
+      for (size_t i : u->members)
+        for (const auto& f : kQuantFields) {
+          const Tensor& t = (*ps[i].quant).*f.field;
+          if (!t.defined()) continue;
+          u->pieces.push_back({i, f.field, t.shape(), t.dtype(), off});
+          off += words_of(t);
+        }
+      u->fs = dist::FlatShard::of(off, comm.world());
+      u->shard = Tensor::zeros({u->fs.shard}, DType::F32, dev, "4-bit weight shard");
+      Tensor mine = bytes_of(u->shard);
+      const int64_t b = u->fs.begin(r) * 4, e = b + u->fs.valid(r) * 4;
+      for (const auto& pc : u->pieces) {
+        const Tensor& t = (*ps[pc.param].quant).*pc.field;
+        const int64_t pb = pc.offset * 4, pe = pb + int64_t(t.nbytes());
+        const int64_t lo = std::max(b, pb), hi = std::min(e, pe);
+        if (lo < hi)
+          mine.slice_rows(lo - b, hi - b).copy_from(bytes_of(t).slice_rows(lo - pb, hi - pb));
+      }
+      of_group_[units_[k].group].push_back(k);
+      state_.push_back(std::move(u));
+      continue;
+    }
     int64_t off = 0;
     for (size_t i : u->members) {
       u->shapes.push_back(ps[i].value.shape());
@@ -258,6 +323,9 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
   for (auto& p : ps) {
     p.value = p.compute = Tensor();
     p.grad = Tensor();
+    // A 4-bit weight keeps its scalars (shape, block size, offset); its tensors are gathered.
+    if (p.quant)
+      for (const auto& f : kQuantFields) (*p.quant).*f.field = Tensor();
   }
   model.bind_outer();  // drops the model's own references to the full tensors
 }
@@ -267,7 +335,8 @@ Sharded::~Sharded() = default;
 std::vector<Tensor> Sharded::frozen_shards() const {
   std::vector<Tensor> out;
   for (const auto& u : state_)
-    if (u->param < 0) out.push_back(u->shard);
+    // 4-bit units as the bytes they hold: the guard's scan for implausible floats skips them.
+    if (u->param < 0) out.push_back(u->pieces.empty() ? u->shard : bytes_of(u->shard));
   return out;
 }
 
@@ -305,6 +374,15 @@ void Sharded::gather(Unit& u) {
   u.gathering->wait();
   u.gathering.reset();
   auto& ps = model_.params();
+  if (!u.pieces.empty()) {
+    // The 4-bit weights' tensors become views of the gathered bytes, until release.
+    auto owner = std::make_shared<Tensor>(u.full);
+    for (const auto& pc : u.pieces)
+      (*ps[pc.param].quant).*pc.field =
+          Tensor::view(static_cast<char*>(u.full.raw()) + pc.offset * 4, pc.shape, pc.dtype,
+                       u.full.device(), owner);
+    return;
+  }
   for (size_t j = 0; j < u.members.size(); ++j) {
     const int64_t n = shape_numel(u.shapes[j]);
     // Float32 compute (checked by the trainer): the products read the gathered values.
@@ -331,6 +409,7 @@ void Sharded::release(Unit& u) {
     u.gathering.reset();
   }
   for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
+  for (const auto& pc : u.pieces) (*model_.params()[pc.param].quant).*pc.field = Tensor();
   u.full = Tensor();
 }
 
@@ -414,7 +493,9 @@ json Sharded::layout() const {
   for (const auto& u : units_) {
     json ps = json::array();
     for (const auto& [n, k] : u.params) ps.push_back({n, k});
-    units.push_back({{"name", u.name}, {"trainable", u.trainable}, {"params", ps}});
+    json j = {{"name", u.name}, {"trainable", u.trainable}, {"params", ps}};
+    if (u.four_bit) j["four_bit"] = true;  // params in float32 words of stored bytes
+    units.push_back(std::move(j));
   }
   return {{"world", comm_.world()}, {"units", units}};
 }
@@ -514,6 +595,7 @@ std::vector<FlatUnit> units_of_layout(const json& layout) {
     FlatUnit f;
     f.name = u.at("name");
     f.trainable = u.at("trainable");
+    f.four_bit = u.value("four_bit", false);
     for (const auto& p : u.at("params"))
       f.params.emplace_back(p.at(0).get<std::string>(), p.at(1).get<int64_t>());
     out.push_back(std::move(f));

@@ -4,6 +4,7 @@
 //   Sharded       every rank holds 1/world of every parameter (flat per layer), of its gradients
 //                 and of the optimizer state; a layer's weights are all-gathered just before use
 //                 and freed after, its gradients reduce-scattered as soon as they are final.
+//                 4-bit weights (QLoRA's base) are sharded as the bytes they are stored in.
 // Plus what resuming on another world size needs: loader positions of every rank, and sharded
 // checkpoints (one file per rank and a layout) re-sliced for any world.
 #pragma once
@@ -54,9 +55,15 @@ class DataParallel : public StepHooks {
 
 // One flat buffer of a parameter group, as a sharded checkpoint's layout records it.
 struct FlatUnit {
-  std::string name;  // "outer.decay", "layer.3.no_decay", "layer.3.frozen", ...
+  std::string name;  // "outer.decay", "layer.3.no_decay", "layer.3.frozen", "layer.3.frozen_4bit"
   int group = -1;
   bool trainable = false, no_decay = false;
+  // The group's 4-bit weights (frozen): the bytes of every tensor of their quantization state
+  // (packed codes, absmax, quant_map, nested_absmax, nested_quant_map), each padded to 16 bytes,
+  // carried in float32 words so the float32 collectives move them untouched. params then name
+  // the tensors as transformers does ("...q_proj.weight", "...q_proj.weight.absmax", ...) with
+  // their size in words.
+  bool four_bit = false;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
   int64_t numel() const;
 };
@@ -64,13 +71,15 @@ struct FlatUnit {
 class Sharded : public StepHooks {
  public:
   // Takes over the model's parameters: keeps this rank's shard of each flat unit and releases
-  // the full tensors (Param::value becomes undefined until a hook gathers it).
+  // the full tensors (Param::value, and a 4-bit weight's packed/absmax/map tensors, become
+  // undefined until a hook gathers them). No communication.
   Sharded(dist::Communicator& comm, LlamaModel& model);
   ~Sharded() override;
   // The trainable shards, one Param per unit, named by the unit: what the optimizer steps.
   std::vector<Param>& params() { return shard_params_; }
   const std::vector<FlatUnit>& units() const { return units_; }
-  // This rank's shards of the frozen units (LoRA base weights): nothing writes them after start.
+  // This rank's shards of the frozen units (LoRA base weights; those of 4-bit units as U8 bytes),
+  // in the order of the frozen units in units(): nothing writes them after start.
   std::vector<Tensor> frozen_shards() const;
   void zero_grad();
   // The global gradient norm (as clip_grad_norm_ over all ranks' shards) and the clipping.

@@ -411,11 +411,6 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   const bool lead = rank == 0;
   const bool sharding = comm && cfg.strategy == "sharded";
   const std::string strategy_name = !comm ? "single" : sharding ? "sharded" : "ddp";
-  if (sharding && cfg.method == "qlora")
-    bad_input(
-        "{}: strategy: sharded does not shard 4-bit weights yet; train QLoRA with strategy: ddp "
-        "(every rank holds the NF4 model)",
-        cfg.source);
   // Shards are float32 flat buffers; bf16 compute copies of gathered layers are not made yet.
   if (sharding && precision == "bf16")
     bad_input(

@@ -338,6 +338,9 @@ TEST(Parallel, ShardedQloraGuardSkipsANanStepAndReloadsFlippedFrozenShards) {
                 with({"inject=[bit-flip-frozen@3]"}));
   });
   EXPECT_EQ(flip[0].rollbacks, 1) << read_file(base + "/flip/train.log");
+  // The flip hit the 4-bit bytes, the bulk of what QLoRA keeps frozen.
+  EXPECT_NE(read_file(base + "/flip/train.log").find("a byte of frozen 4-bit weights"),
+            std::string::npos);
   expect_close_runs(base + "/ref", base + "/flip", "qlora", size_t(steps), 0);
 }
 

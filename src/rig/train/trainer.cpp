@@ -203,12 +203,16 @@ Tensor flip_target(std::vector<Param>& params) {
 // rank's shard of the first frozen layer unit.
 Tensor frozen_flip_target(LlamaModel& model, const Sharded* shard) {
   if (shard) {
+    // A layer's 4-bit unit when there is one (QLoRA: the bulk of the frozen bytes), else its
+    // frozen float unit.
     auto shards = shard->frozen_shards();
-    size_t k = 0;
-    for (const auto& u : shard->units()) {
-      if (u.trainable) continue;
-      if (u.name.rfind("layer.", 0) == 0) return shards[k];
-      ++k;
+    for (const char* kind : {".frozen_4bit", ".frozen"}) {
+      size_t k = 0;
+      for (const auto& u : shard->units()) {
+        if (u.trainable) continue;
+        if (u.name.rfind("layer.", 0) == 0 && u.name.ends_with(kind)) return shards[k];
+        ++k;
+      }
     }
   } else {
     for (auto& p : model.params()) {
@@ -986,7 +990,10 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     if (fault(FaultKind::BitFlipFrozen)) {
       Tensor target = frozen_flip_target(*model, shard.get());
       auto [was, is] = flip_high_exponent_bit(target);
-      note(fmt::format("rank {}: flipped a frozen weight from {:g} to {:g}", rank, was, is));
+      note(fmt::format("rank {}: flipped {} from {:g} to {:g}", rank,
+                       target.dtype() == DType::U8 ? "a byte of frozen 4-bit weights"
+                                                   : "a frozen weight",
+                       was, is));
     }
     const bool spike_fault = fault(FaultKind::LossSpike), nan_fault = fault(FaultKind::NanGrad),
                kill_fault = fault(FaultKind::Kill);

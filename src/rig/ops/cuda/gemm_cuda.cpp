@@ -3,6 +3,8 @@
 // column-major C^T = op(B)^T op(A)^T, so no data moves. One handle and one workspace per device;
 // the heuristic's choice is cached per shape, dtypes, transposes and pointer alignment.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -18,6 +20,17 @@ namespace rig::ops::cuda {
 namespace {
 
 constexpr size_t kWorkspace = size_t(32) << 20;
+constexpr int kTuneCandidates = 8;
+
+// RIG_GEMM_AUTOTUNE=1: the first product of each shape times cuBLASLt's top candidates and keeps
+// the fastest (one synchronisation per new shape) instead of taking the heuristic's first answer.
+bool autotune() {
+  static const bool on = [] {
+    const char* v = std::getenv("RIG_GEMM_AUTOTUNE");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
 
 struct LtDevice {
   cublasLtHandle_t handle = nullptr;
@@ -174,10 +187,11 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
                             {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
                             {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}})
       RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.d, attr, &al, sizeof(al)));
-    cublasLtMatmulHeuristicResult_t res{};
+    const int want = autotune() ? kTuneCandidates : 1;
+    cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ld.handle, desc.d, la.d, lb.d, lc.d,
-                                                             lc.d, pref.d, 1, &res, &found);
+                                                             lc.d, pref.d, want, res, &found);
     if (bias && (st != CUBLAS_STATUS_SUCCESS || found == 0)) {
       algos().emplace(key, std::nullopt);
       return false;
@@ -187,7 +201,38 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
               shape_str(a.shape()), ta ? "^T" : "", shape_str(b.shape()), tb ? "^T" : "",
               shape_str(c.shape()), dtype_name(a.dtype()), dtype_name(b.dtype()),
               dtype_name(c.dtype()));
-    it = algos().emplace(key, res.algo).first;
+    int pick = 0;
+    if (found > 1) {
+      // Time each candidate into a scratch output (C is only read), keep the fastest.
+      Tensor scratch_d = Tensor::empty(c.shape(), c.dtype(), c.device(), "gemm autotune output");
+      cudaEvent_t e0, e1;
+      RIG_CUDA_CHECK(cudaEventCreate(&e0));
+      RIG_CUDA_CHECK(cudaEventCreate(&e1));
+      float best = 0;
+      bool timed = false;
+      for (int i = 0; i < found; ++i) {
+        auto run = [&] {
+          return cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
+                                c_in, lc.d, scratch_d.raw(), lc.d, &res[i].algo,
+                                ld.workspace.raw(), kWorkspace, stream_for(dev));
+        };
+        if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here
+        RIG_CUDA_CHECK(cudaEventRecord(e0, stream_for(dev)));
+        for (int r = 0; r < 3; ++r) (void)run();
+        RIG_CUDA_CHECK(cudaEventRecord(e1, stream_for(dev)));
+        RIG_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        RIG_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (!timed || ms < best) {
+          best = ms;
+          pick = i;
+          timed = true;
+        }
+      }
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+    }
+    it = algos().emplace(key, res[pick].algo).first;
   }
   if (!it->second) return false;
   RIG_CUBLAS_CHECK(cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,

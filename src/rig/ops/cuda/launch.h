@@ -52,8 +52,12 @@ cudaError_t adamw(T tp, void* p, T tg, const void* g, float* m, float* v, int64_
 // ---- embedding.cu
 cudaError_t embedding_fwd(const int64_t* ids, int64_t rows, T tt, const void* table, int64_t vocab,
                           int64_t h, T to, void* out, DeviceError* err, cudaStream_t s);
+// Deterministic: the rows are sorted by id (a stable radix sort, so rows of one id keep their
+// order), each id's rows are summed in that order and added to its table row once. scratch holds
+// embedding_bwd_scratch_bytes(rows) bytes.
+size_t embedding_bwd_scratch_bytes(int64_t rows);
 cudaError_t embedding_bwd(const int64_t* ids, int64_t rows, T td, const void* dout, T tt,
-                          void* dtable, int64_t vocab, int64_t h, cudaStream_t s);
+                          void* dtable, int64_t vocab, int64_t h, void* scratch, cudaStream_t s);
 
 // ---- norm.cu (rstd float32; w and the parameter gradients dw/dbias F32 or BF16)
 cudaError_t rmsnorm_fwd(T tx, const void* x, T tw, const void* w, float eps, T ty, void* y,

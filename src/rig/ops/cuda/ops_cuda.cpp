@@ -151,10 +151,13 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   RIG_CHECK(dtable.ndim() == 2 && dout.numel() == ids.numel() * dtable.dim(1),
             "{}: ids {} dout {} dtable {}", op, shape_str(ids.shape()), shape_str(dout.shape()),
             shape_str(dtable.shape()));
+  RIG_CHECK(ids.numel() < (int64_t(1) << 31), "{}: {} rows (at most 2^31 - 1)", op, ids.numel());
   DeviceGuard g(dev);
+  Tensor scratch_t = scratch({int64_t(k::embedding_bwd_scratch_bytes(ids.numel()))}, DType::U8,
+                             dev, "embedding_backward sort");
   check_status(k::embedding_bwd(ids.data<int64_t>(), ids.numel(), ktype(dout, op, "dout"),
                                 dout.raw(), ktype(dtable, op, "dtable"), dtable.raw(),
-                                dtable.dim(0), dtable.dim(1), stream_for(dev)),
+                                dtable.dim(0), dtable.dim(1), scratch_t.raw(), stream_for(dev)),
                op);
 }
 

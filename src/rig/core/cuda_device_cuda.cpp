@@ -1,7 +1,11 @@
 // CUDA memory: a caching allocator per device (cudaMalloc is slow and synchronising). The budget
 // bounds the bytes reserved with cudaMalloc (cached free blocks included): past it, the cache is
-// released before anything new is reserved.
+// released before anything new is reserved. RIG_CUDA_ALLOCATOR=pool takes memory from the device's
+// stream-ordered pool instead (cudaMallocAsync on the stream every op runs on), which splits and
+// joins blocks itself; the reserved bytes are then the pool's own count.
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -95,6 +99,92 @@ class CudaCachingAllocator final : public Allocator {
   std::map<void*, size_t> sizes_;
 };
 
+// The device's default memory pool, used in stream order on the legacy default stream: the one
+// the ops run on (ops/cuda/context.h) and that Tensor's synchronous copies are ordered with, so a
+// block freed here is reused only after the kernels queued before the free.
+class CudaPoolAllocator final : public Allocator {
+ public:
+  explicit CudaPoolAllocator(int index) : Allocator(fmt::format("cuda:{}", index)), index_(index) {
+    int prev;
+    RIG_CUDA_CHECK(cudaGetDevice(&prev));
+    RIG_CUDA_CHECK(cudaSetDevice(index_));
+    RIG_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool_, index_));
+    // Keep freed memory in the pool (as a caching allocator does) until the budget asks for it.
+    uint64_t keep = UINT64_MAX;
+    RIG_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
+    RIG_CUDA_CHECK(cudaSetDevice(prev));
+  }
+
+  void release_cached() override {
+    std::lock_guard<std::mutex> g(mu_);
+    trim();
+  }
+
+ protected:
+  void* raw_allocate(size_t bytes) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!fits_budget(bytes)) {
+      trim();
+      if (!fits_budget(bytes)) return nullptr;
+    }
+    int prev;
+    RIG_CUDA_CHECK(cudaGetDevice(&prev));
+    RIG_CUDA_CHECK(cudaSetDevice(index_));
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes, cudaStreamLegacy) != cudaSuccess) {
+      cudaGetLastError();
+      trim();
+      if (cudaMallocAsync(&p, bytes, cudaStreamLegacy) != cudaSuccess) {
+        cudaGetLastError();
+        p = nullptr;
+      }
+    }
+    RIG_CUDA_CHECK(cudaSetDevice(prev));
+    sync_reserved();
+    return p;
+  }
+
+  void raw_deallocate(void* p, size_t) override {
+    std::lock_guard<std::mutex> g(mu_);
+    int prev;
+    RIG_CUDA_CHECK(cudaGetDevice(&prev));
+    RIG_CUDA_CHECK(cudaSetDevice(index_));
+    cudaFreeAsync(p, cudaStreamLegacy);
+    RIG_CUDA_CHECK(cudaSetDevice(prev));
+  }
+
+ private:
+  // The pool's reserved bytes become the allocator's (the budget and the reported peak).
+  void sync_reserved() {
+    uint64_t cur = 0;
+    RIG_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &cur));
+    const size_t now = reserved();
+    if (cur > now) note_reserved(size_t(cur) - now);
+    if (cur < now) note_released(now - size_t(cur));
+  }
+  // Gives the pool's unused memory back to the device once the queued work is done.
+  void trim() {
+    int prev;
+    RIG_CUDA_CHECK(cudaGetDevice(&prev));
+    RIG_CUDA_CHECK(cudaSetDevice(index_));
+    RIG_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+    RIG_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
+    RIG_CUDA_CHECK(cudaSetDevice(prev));
+    sync_reserved();
+  }
+
+  int index_;
+  std::mutex mu_;
+  cudaMemPool_t pool_ = nullptr;
+};
+
+bool use_pool() {
+  const char* v = std::getenv("RIG_CUDA_ALLOCATOR");
+  if (!v || std::string(v).empty() || std::string(v) == "caching") return false;
+  if (std::string(v) == "pool") return true;
+  bad_input("RIG_CUDA_ALLOCATOR='{}': expected caching or pool", v);
+}
+
 }  // namespace
 
 bool cuda_runtime_available() {
@@ -108,14 +198,20 @@ bool cuda_runtime_available() {
 
 Allocator& cuda_allocator(int index) {
   static std::mutex mu;
-  static std::vector<std::unique_ptr<CudaCachingAllocator>> allocs;
+  static std::vector<std::unique_ptr<Allocator>> allocs;
   std::lock_guard<std::mutex> g(mu);
   if (!cuda_runtime_available()) bad_input("device cuda:{} requested, but no CUDA GPU is visible", index);
   int n = 0;
   RIG_CUDA_CHECK(cudaGetDeviceCount(&n));
   if (index < 0 || index >= n) bad_input("device cuda:{} requested, but only {} GPU(s) are visible", index, n);
   if (allocs.empty()) allocs.resize(size_t(n));
-  if (!allocs[size_t(index)]) allocs[size_t(index)] = std::make_unique<CudaCachingAllocator>(index);
+  if (!allocs[size_t(index)]) {
+    if (use_pool()) {
+      allocs[size_t(index)] = std::make_unique<CudaPoolAllocator>(index);
+    } else {
+      allocs[size_t(index)] = std::make_unique<CudaCachingAllocator>(index);
+    }
+  }
   return *allocs[size_t(index)];
 }
 

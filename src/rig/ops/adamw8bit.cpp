@@ -74,8 +74,9 @@ void adamw8bit_step(Tensor& param, const Tensor& grad, Tensor& mq, Tensor& mabs,
     RIG_CHECK(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16,
               "adamw8bit: grad must be F32 or BF16");
     cuda::DeviceGuard g(dev);
-    // The two maps live on each device once.
-    static Tensor maps[16];
+    // The two maps live on each device once, never freed (they must outlive the allocators at
+    // exit, as the cuBLASLt workspaces do).
+    static Tensor* maps = new Tensor[16];
     RIG_CHECK(dev < 16, "adamw8bit: device {}", dev);
     if (!maps[dev].defined()) {
       std::vector<float> both = adam8_map(true);

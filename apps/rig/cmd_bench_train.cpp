@@ -167,12 +167,13 @@ int run(const Opts& o) {
           fmt::print("  {:<16} {:9.2f} ms  {:5.1f}%\n", k, v.get<double>(), 100.0 * v.get<double>() / step);
       fmt::print("  {:<16} {:9.2f} ms\n", "profiled step", step);
     }
-    fmt::print("{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
-               "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
-               o.method, int64_t(n), m->num_parameters(true), o.batch, o.seq,
-               o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, tokens / secs, 1e3 * secs / double(o.steps),
-               tokens / secs * flops_per_token / 1e12, rig::format_bytes(double(alloc.peak())),
-               rig::format_bytes(double(alloc.peak_reserved())));
+    fmt::print(
+        "{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
+        "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
+        o.method, int64_t(n), m->num_parameters(true), o.batch, o.seq,
+        o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, tokens / secs,
+        1e3 * secs / double(o.steps), tokens / secs * flops_per_token / 1e12,
+        rig::format_bytes(double(alloc.peak())), rig::format_bytes(double(alloc.peak_reserved())));
   }
   return 0;
 }

@@ -8,9 +8,8 @@
 // Backward checks hand both backends the same saved tensors (out, lse, rstd) for the same reason.
 #include <gtest/gtest.h>
 
-#include <cstring>
-
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -194,11 +193,11 @@ TEST(OpHarness, GemmAccumulatesWeightGradientInF32) {
 TEST(OpHarness, GemmPlus) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(4);
-  for (auto [dab, dc] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::F32},
-                         {DType::BF16, DType::BF16}})
+  for (auto [dab, dc] :
+       {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::F32}, {DType::BF16, DType::BF16}})
     for (bool in_place : {false, true}) {
-      const std::string what = fmt::format("gemm_plus {}->{}{}", name(dab), name(dc),
-                                           in_place ? " in place" : "");
+      const std::string what =
+          fmt::format("gemm_plus {}->{}{}", name(dab), name(dc), in_place ? " in place" : "");
       Tensor A = rounded(randn({989, 80}, g), dab), B = rounded(randn({111, 80}, g), dab);
       Tensor src = rounded(randn({989, 111}, g, 4.0f), dc);
       Tensor out = in_place ? src.clone() : Tensor::empty({989, 111}, DType::F32);
@@ -344,26 +343,26 @@ TEST(OpHarness, RmsNormBackwardAddsIntoTheResidualGradient) {
   std::mt19937 g(7);
   for (DType dt : kDtypes)
     for (bool with_dw : {true, false})
-    for (int64_t h : {576, 4099}) {  // the 8-wide kernel and the one-element one
-      const int64_t rows = 989;
-      const std::string what = fmt::format("rmsnorm_backward_add h={} [{}]{}", h, name(dt),
-                                           with_dw ? "" : " without dw");
-      Tensor x = rounded(randn({rows, h}, g, 2.0f, 0.3f), dt), w = randn({h}, g, 0.2f, 1.0f);
-      Tensor y = Tensor::empty({rows, h}, DType::F32), rs = Tensor::empty({rows}, DType::F32);
-      ops::rmsnorm_forward(x, w, 1e-5f, y, rs);
-      Tensor dy = randn({rows, h}, g), dh = randn({rows, h}, g, 3.0f), dw = randn({h}, g);
-      Tensor ddh = gpu(dh), ddw = gpu(dw), copy = Tensor::empty({rows, h}, dt, Device::cuda(0));
-      // The CPU oracle: the plain backward, then the add.
-      Tensor dx = Tensor::empty({rows, h}, DType::F32);
-      Tensor dw_ref = dw.clone();
-      ops::rmsnorm_backward(dy, x, w, rs, dx, dw_ref);
-      ops::add_(dh, dx, 1.0f);
-      ops::rmsnorm_backward_add(gpu(dy), gpu(x, dt), gpu(w), gpu(rs), ddh, &copy,
-                                with_dw ? &ddw : nullptr);
-      EXPECT_CLOSE(host(ddh), dh, DType::F32, what + " dh");
-      EXPECT_CLOSE(host(copy), rounded(dh, dt), dt, what + " copy");
-      EXPECT_CLOSE(host(ddw), with_dw ? dw_ref : dw, DType::F32, what + " dw");
-    }
+      for (int64_t h : {576, 4099}) {  // the 8-wide kernel and the one-element one
+        const int64_t rows = 989;
+        const std::string what = fmt::format("rmsnorm_backward_add h={} [{}]{}", h, name(dt),
+                                             with_dw ? "" : " without dw");
+        Tensor x = rounded(randn({rows, h}, g, 2.0f, 0.3f), dt), w = randn({h}, g, 0.2f, 1.0f);
+        Tensor y = Tensor::empty({rows, h}, DType::F32), rs = Tensor::empty({rows}, DType::F32);
+        ops::rmsnorm_forward(x, w, 1e-5f, y, rs);
+        Tensor dy = randn({rows, h}, g), dh = randn({rows, h}, g, 3.0f), dw = randn({h}, g);
+        Tensor ddh = gpu(dh), ddw = gpu(dw), copy = Tensor::empty({rows, h}, dt, Device::cuda(0));
+        // The CPU oracle: the plain backward, then the add.
+        Tensor dx = Tensor::empty({rows, h}, DType::F32);
+        Tensor dw_ref = dw.clone();
+        ops::rmsnorm_backward(dy, x, w, rs, dx, dw_ref);
+        ops::add_(dh, dx, 1.0f);
+        ops::rmsnorm_backward_add(gpu(dy), gpu(x, dt), gpu(w), gpu(rs), ddh, &copy,
+                                  with_dw ? &ddw : nullptr);
+        EXPECT_CLOSE(host(ddh), dh, DType::F32, what + " dh");
+        EXPECT_CLOSE(host(copy), rounded(dh, dt), dt, what + " copy");
+        EXPECT_CLOSE(host(ddw), with_dw ? dw_ref : dw, DType::F32, what + " dw");
+      }
 }
 
 // ---- rope ----------------------------------------------------------------------------------
@@ -616,23 +615,24 @@ TEST(OpHarness, SwiGlu) {
   std::mt19937 g(10);
   // An odd size (the element-at-a-time kernel) and a multiple of 8 (the 16-byte vector kernel).
   for (const Shape& s : {Shape{989, 111}, Shape{989, 112}})
-  for (DType dt : kDtypes) {
-    SCOPED_TRACE(shape_str(s));
-    Tensor gt = rounded(randn(s, g, 3.0f), dt), u = rounded(randn(s, g), dt);
-    Tensor a = Tensor::empty(s, DType::F32);
-    ops::swiglu_forward(gt, u, a);
-    Tensor dg_ = gpu(gt, dt), du_ = gpu(u, dt), da_ = Tensor::empty(s, dt, Device::cuda(0));
-    ops::swiglu_forward(dg_, du_, da_);
-    EXPECT_CLOSE(host(da_), a, dt, "swiglu forward");
+    for (DType dt : kDtypes) {
+      SCOPED_TRACE(shape_str(s));
+      Tensor gt = rounded(randn(s, g, 3.0f), dt), u = rounded(randn(s, g), dt);
+      Tensor a = Tensor::empty(s, DType::F32);
+      ops::swiglu_forward(gt, u, a);
+      Tensor dg_ = gpu(gt, dt), du_ = gpu(u, dt), da_ = Tensor::empty(s, dt, Device::cuda(0));
+      ops::swiglu_forward(dg_, du_, da_);
+      EXPECT_CLOSE(host(da_), a, dt, "swiglu forward");
 
-    Tensor da = rounded(randn(s, g), dt);
-    Tensor dg = Tensor::empty(s, DType::F32), du = Tensor::empty(s, DType::F32);
-    ops::swiglu_backward(da, gt, u, dg, du);
-    Tensor ddg = Tensor::empty(s, dt, Device::cuda(0)), ddu = Tensor::empty(s, dt, Device::cuda(0));
-    ops::swiglu_backward(gpu(da, dt), dg_, du_, ddg, ddu);
-    EXPECT_CLOSE(host(ddg), dg, dt, "swiglu dg");
-    EXPECT_CLOSE(host(ddu), du, dt, "swiglu du");
-  }
+      Tensor da = rounded(randn(s, g), dt);
+      Tensor dg = Tensor::empty(s, DType::F32), du = Tensor::empty(s, DType::F32);
+      ops::swiglu_backward(da, gt, u, dg, du);
+      Tensor ddg = Tensor::empty(s, dt, Device::cuda(0)),
+             ddu = Tensor::empty(s, dt, Device::cuda(0));
+      ops::swiglu_backward(gpu(da, dt), dg_, du_, ddg, ddu);
+      EXPECT_CLOSE(host(ddg), dg, dt, "swiglu dg");
+      EXPECT_CLOSE(host(ddu), du, dt, "swiglu du");
+    }
 }
 
 // ---- cross-entropy -------------------------------------------------------------------------

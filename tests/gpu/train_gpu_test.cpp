@@ -383,7 +383,8 @@ TEST(GpuTraining, ActivationCheckpointingIsExact) {
   const int64_t B = 4, T = 256;
   TokenBatch b{Tensor::empty({B, T}, DType::I64), Tensor::empty({B, T}, DType::I64), {}, {}};
   // Ids repeat about 17 times each: the embedding backward must sum them in a fixed order.
-  for (int64_t i = 0; i < B * T; ++i) b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = (i * 37 + 11) % 61;
+  for (int64_t i = 0; i < B * T; ++i)
+    b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = (i * 37 + 11) % 61;
   Allocator& alloc = allocator_for(Device::cuda(0));
   struct Mode {
     Checkpointing ck;
@@ -404,7 +405,8 @@ TEST(GpuTraining, ActivationCheckpointingIsExact) {
       }
       m->set_compute_dtype(dt);
       m->to_device(Device::cuda(0));
-      const std::string what = std::string(dt == DType::F32 ? "fp32" : "bf16") + (lora ? " LoRA" : " full");
+      const std::string what =
+          std::string(dt == DType::F32 ? "fp32" : "bf16") + (lora ? " LoRA" : " full");
       std::vector<Tensor> first;
       double first_loss = 0;
       size_t prev_peak = 0;

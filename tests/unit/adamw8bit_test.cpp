@@ -1,6 +1,8 @@
 // 8-bit AdamW (ops/adamw8bit.h): the maps, one step against float32 AdamW, the 300-step loss
 // curve of the tiny fixture against transformers' float32 AdamW run, the state's size, and a
 // resume through the optimizer's state tensors.
+#include "rig/ops/adamw8bit.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,7 +12,6 @@
 #include <random>
 
 #include "hf_reference.h"
-#include "rig/ops/adamw8bit.h"
 #include "rig/optim/adamw.h"
 #include "test_util.h"
 
@@ -69,7 +70,8 @@ TEST(Adam8, FollowsFloat32AdamW) {
       for (int64_t i = 0; i < n; ++i) {
         const float absmax = ma.f32()[i / 256];
         const float decoded = sm[mq.data<uint8_t>()[i]] * absmax;
-        // The widest gap of the signed map near 1 is 1 - 0.9859 (the means of linspace(0.1, 1, 65)).
+        // The widest gap of the signed map near 1 is 1 - 0.9859 (the means of linspace(0.1, 1,
+        // 65)).
         EXPECT_LE(std::fabs(decoded - m.f32()[i]), 0.0071f * absmax + 1e-12f) << i;
       }
     }
@@ -147,7 +149,8 @@ TEST(Adam8, StateRoundTripResumesExactly) {
   }
   std::map<std::string, Tensor> st;
   for (auto& [k, t] : ob.state_tensors()) st[k] = t.clone();
-  EXPECT_TRUE(st.count("adamw8bit.mq.w") && st.count("adamw8bit.vabs.w") && st.count("adamw.m.norm"));
+  EXPECT_TRUE(st.count("adamw8bit.mq.w") && st.count("adamw8bit.vabs.w") &&
+              st.count("adamw.m.norm"));
   AdamW resumed(oc);
   resumed.load_state(st, ob.steps(), Device::cpu());
   for (int s = 4; s <= 6; ++s) {

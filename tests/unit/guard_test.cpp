@@ -505,13 +505,13 @@ TEST(Guard, BitFlipInA4BitBaseWeightIsFoundAndReloaded) {
   const std::string base = test::temp_dir("guard_frozen_4bit");
   const int64_t steps = 6, at = 3;
   auto cfg = [&](const std::string& out, std::vector<std::string> more) {
-    more.insert(more.end(), {"method=qlora", "guard.replica_check_every=2", "save.every=2",
-                             "packing=false", "micro_batch_size=4", "eval.split=0",
-                             "save.keep_last=0", "optimizer.lr=1e-2",
-                             "max_steps=" + std::to_string(steps), "output_dir=" + out,
-                             "datasets.0.path=" + small_data(),
-                             "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
-                             "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
+    more.insert(
+        more.end(),
+        {"method=qlora", "guard.replica_check_every=2", "save.every=2", "packing=false",
+         "micro_batch_size=4", "eval.split=0", "save.keep_last=0", "optimizer.lr=1e-2",
+         "max_steps=" + std::to_string(steps), "output_dir=" + out,
+         "datasets.0.path=" + small_data(), "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
+         "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
     return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", more);
   };
   auto r = run(cfg(base + "/flip", {"inject=[bit-flip-frozen@3]"}));

@@ -101,8 +101,8 @@ TEST(PlanMemory, FullFineTuneTermsByHand) {
   // Full on the first layer only: the other two keep what selective keeps.
   s.recompute_layers = 1;
   auto c1 = estimate_memory(m, s);
-  EXPECT_DOUBLE_EQ(c1.activations, BT * h * 4 + 2 * (layer - BT * 2 * (2 * h + f)) +
-                                       BT * (h * 4 + h * 2 + 4));
+  EXPECT_DOUBLE_EQ(c1.activations,
+                   BT * h * 4 + 2 * (layer - BT * 2 * (2 * h + f)) + BT * (h * 4 + h * 2 + 4));
   s.recompute_layers = -1;
   // Selective drops the two normed inputs and the SwiGLU product.
   s.checkpointing = Checkpointing::selective;

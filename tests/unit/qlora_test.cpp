@@ -234,10 +234,14 @@ TEST(QLoRA, QuantizeWhileLoadingReproducesTheBitsandbytesFolder) {
 // A random model quantized as it is drawn (what rig bench train and init: random do for QLoRA, so a
 // 70B shape never exists in float32) is the random model quantized afterwards, byte for byte.
 TEST(QLoRA, RandomModelQuantizedWhileDrawnEqualsQuantizedAfterwards) {
-  const ModelConfig cfg = ModelConfig::from_json(
-      {{"model_type", "llama"}, {"vocab_size", 300}, {"hidden_size", 96}, {"intermediate_size", 200},
-       {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}},
-      "test");
+  const ModelConfig cfg = ModelConfig::from_json({{"model_type", "llama"},
+                                                  {"vocab_size", 300},
+                                                  {"hidden_size", 96},
+                                                  {"intermediate_size", 200},
+                                                  {"num_hidden_layers", 2},
+                                                  {"num_attention_heads", 4},
+                                                  {"num_key_value_heads", 2}},
+                                                 "test");
   auto after = LlamaModel::random(cfg, 5);
   after->quantize_weights();
   LoadOptions lo;
@@ -255,7 +259,8 @@ TEST(QLoRA, RandomModelQuantizedWhileDrawnEqualsQuantizedAfterwards) {
       continue;
     }
     ++four_bit;
-    for (auto [x, y] : {std::pair{&a.quant->packed, &b.quant->packed}, {&a.quant->absmax, &b.quant->absmax}}) {
+    for (auto [x, y] :
+         {std::pair{&a.quant->packed, &b.quant->packed}, {&a.quant->absmax, &b.quant->absmax}}) {
       ASSERT_EQ(x->nbytes(), y->nbytes()) << a.name;
       EXPECT_EQ(0, std::memcmp(x->raw(), y->raw(), x->nbytes())) << a.name;
     }

@@ -5,8 +5,8 @@
 // joins blocks itself; the reserved bytes are then the pool's own count.
 #include <cstdlib>
 #include <map>
-#include <string>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "rig/core/allocator.h"

@@ -231,7 +231,8 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
     Param& p = m->params_[pi];
     const bool quantize = bool(p.quant);
     // A weight to quantize is drawn into a temporary and replaced by its 4-bit form at once.
-    Tensor drawn = quantize ? Tensor::empty(p.shape(), DType::F32, Device::cpu(), "weight") : p.value;
+    Tensor drawn =
+        quantize ? Tensor::empty(p.shape(), DType::F32, Device::cpu(), "weight") : p.value;
     float* x = drawn.f32();
     const int64_t n = drawn.numel();
     const bool is_norm = p.name.find("norm") != std::string::npos;
@@ -247,7 +248,8 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
       std::normal_distribution<float> normal(0.0f, 0.02f);
       for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) x[i] = normal(rng);
     }
-    if (quantize) *p.quant = quant::quantize_4bit(drawn, opt.quant_type, opt.blocksize, opt.double_quant);
+    if (quantize)
+      *p.quant = quant::quantize_4bit(drawn, opt.quant_type, opt.blocksize, opt.double_quant);
   }
   if (opt.quantize) {
     quant::QuantConfig qc;

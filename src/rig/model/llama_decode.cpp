@@ -32,7 +32,8 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
     posv.data<int64_t>()[0] = pos;
     Tensor idv = Tensor::empty({1}, DType::I64);
     idv.data<int64_t>()[0] = tok;
-    Tensor h = fresh_on(dev_, {1, H}, "decode"), xn = act({1, H}, "decode"), rs = fresh_on(dev_, {1}, "decode");
+    Tensor h = fresh_on(dev_, {1, H}, "decode"), xn = act({1, H}, "decode"),
+           rs = fresh_on(dev_, {1}, "decode");
     posv = posv.to(dev_, "position");
     idv = idv.to(dev_, "token");
     ops::embedding_forward(idv, embed_, h);
@@ -44,7 +45,8 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
       };
       ops::rmsnorm_forward(h, params_[size_t(L.in_norm)].value, eps, xn, rs);
       // Projections run where the model is; the cache and this single-row attention on the host.
-      Tensor qd = fresh_on(dev_, {1, cfg_.q_dim()}, "q"), kd = fresh_on(dev_, {1, cfg_.kv_dim()}, "k"),
+      Tensor qd = fresh_on(dev_, {1, cfg_.q_dim()}, "q"),
+             kd = fresh_on(dev_, {1, cfg_.kv_dim()}, "k"),
              vd = fresh_on(dev_, {1, cfg_.kv_dim()}, "v");
       lin(Q, xn, qd);
       lin(K, xn, kd);
@@ -81,7 +83,8 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
       lin(O, to_act(att.to(dev_, "attention")), o);
       ops::add_(h, o);
       ops::rmsnorm_forward(h, params_[size_t(L.post_norm)].value, eps, xn, rs);
-      Tensor g = fresh_on(dev_, {1, F}, "g"), u = fresh_on(dev_, {1, F}, "u"), sw = fresh_on(dev_, {1, F}, "swiglu");
+      Tensor g = fresh_on(dev_, {1, F}, "g"), u = fresh_on(dev_, {1, F}, "u"),
+             sw = fresh_on(dev_, {1, F}, "swiglu");
       lin(GATE, xn, g);
       lin(UP, xn, u);
       ops::swiglu_forward(g, u, sw);
@@ -92,7 +95,8 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
     ops::rmsnorm_forward(h, final_norm_, eps, xn, rs);
     Tensor lg = fresh_on(dev_, {1, cfg_.vocab_size}, "logits");
     ops::gemm(xn, false, lm_head_, true, lg, 1.0f, 0.0f);
-    Tensor::view(logits.data(), {1, cfg_.vocab_size}, DType::F32, Device::cpu(), nullptr).copy_from(lg);
+    Tensor::view(logits.data(), {1, cfg_.vocab_size}, DType::F32, Device::cpu(), nullptr)
+        .copy_from(lg);
   }
   return logits;
 }

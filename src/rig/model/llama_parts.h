@@ -37,15 +37,20 @@ namespace llama_detail {
 
 enum { Q, K, V, O, GATE, UP, DOWN };
 
-inline Tensor fresh_on(Device d, const Shape& s, const char* what) { return Tensor::empty(s, DType::F32, d, what); }
-inline Tensor fresh(const Shape& s, const char* what) { return fresh_on(Device::cpu(), s, what); }
+inline Tensor fresh_on(Device d, const Shape& s, const char* what) {
+  return Tensor::empty(s, DType::F32, d, what);
+}
+inline Tensor fresh(const Shape& s, const char* what) {
+  return fresh_on(Device::cpu(), s, what);
+}
 // Scratch on the device and in the dtype of `like`.
 inline Tensor fresh_like(const Tensor& like, const Shape& s, const char* what) {
   return Tensor::empty(s, like.dtype(), like.device(), what);
 }
 
 inline uint64_t mix_seed(uint64_t seed, int layer, int proj) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 0xBF58476D1CE4E5B9ull + uint64_t(proj + 1);
+  uint64_t x =
+      seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 0xBF58476D1CE4E5B9ull + uint64_t(proj + 1);
   x ^= x >> 31;
   return x * 0x94D049BB133111EBull;
 }

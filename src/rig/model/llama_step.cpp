@@ -175,9 +175,11 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, Tensor& dh_act, con
   // Attention
   Tensor dattn = act({N, cfg_.q_dim()}, "d attention");
   lin_bwd(O, a.attn, dh_act, dattn, false);
-  Tensor dq = act({N, cfg_.q_dim()}, "dq"), dk = act({N, cfg_.kv_dim()}, "dk"), dv = act({N, cfg_.kv_dim()}, "dv");
+  Tensor dq = act({N, cfg_.q_dim()}, "dq"), dk = act({N, cfg_.kv_dim()}, "dk"),
+         dv = act({N, cfg_.kv_dim()}, "dv");
   const int64_t Hq = cfg_.num_heads, Hk = cfg_.num_kv_heads;
-  Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}), dv4 = dv.reshape({B, T, Hk, D});
+  Tensor dq4 = dq.reshape({B, T, Hq, D}), dk4 = dk.reshape({B, T, Hk, D}),
+         dv4 = dv.reshape({B, T, Hk, D});
   ops::attention_backward(dattn.reshape({B, T, Hq, D}), a.q.reshape({B, T, Hq, D}),
                           a.k.reshape({B, T, Hk, D}), a.v.reshape({B, T, Hk, D}), b.segment_ids,
                           a.attn.reshape({B, T, Hq, D}), a.lse, dq4, dk4, dv4);
@@ -225,14 +227,17 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   const Tensor& ids = batch.input_ids;
   if (act_ != DType::F32 && !dev_.is_cuda())
     bad_input("bf16 compute needs a CUDA device; the CPU backend computes in float32");
-  RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64, "input_ids must be int64 [B, T], got {} {}",
-            dtype_name(ids.dtype()), shape_str(ids.shape()));
+  RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64,
+            "input_ids must be int64 [B, T], got {} {}", dtype_name(ids.dtype()),
+            shape_str(ids.shape()));
   RIG_CHECK(batch.labels.shape() == ids.shape() && batch.labels.dtype() == DType::I64,
             "labels must be int64 {}", shape_str(ids.shape()));
-  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, H = cfg_.hidden_size, Vv = cfg_.vocab_size;
+  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, H = cfg_.hidden_size,
+                Vv = cfg_.vocab_size;
   if (cfg_.sliding_window && T > *cfg_.sliding_window)
-    bad_input("sequence length {} exceeds the model's sliding window {}, which rig does not support yet",
-              T, *cfg_.sliding_window);
+    bad_input(
+        "sequence length {} exceeds the model's sliding window {}, which rig does not support yet",
+        T, *cfg_.sliding_window);
   // Positions: given, or 0..T-1 per row.
   cur_pos_ = Tensor::empty({N}, DType::I64, Device::cpu(), "positions");
   int64_t max_pos = 0;
@@ -245,8 +250,8 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   cur_pos_ = cur_pos_.to(dev_, "positions");
   // The batch arrives on the host; the layers need ids and segments where they run.
   const TokenBatch& host = batch;
-  TokenBatch dbatch{ids.to(dev_, "input ids"), host.labels, {},
-                    attention_segments(host.segment_ids)};
+  TokenBatch dbatch{
+      ids.to(dev_, "input ids"), host.labels, {}, attention_segments(host.segment_ids)};
   if (dbatch.segment_ids.defined()) dbatch.segment_ids = dbatch.segment_ids.to(dev_, "segments");
   const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
   // Full checkpointing recomputes the first recompute_layers layers (all when negative); the
@@ -254,7 +259,7 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   auto mode_of = [&](size_t l) {
     if (opt.checkpointing != Checkpointing::Full) return opt.checkpointing;
     return opt.recompute_layers < 0 || int64_t(l) < opt.recompute_layers ? Checkpointing::Full
-                                                                          : Checkpointing::Selective;
+                                                                         : Checkpointing::Selective;
   };
 
   StepHooks* hk = opt.hooks;
@@ -305,8 +310,11 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
     Tensor tg = targets.slice_rows(r0, r1);
     // float32 logits; their gradient in the products' dtype, written by the loss itself.
-    Tensor dl = !opt.backward ? Tensor() : act_ == DType::F32 ? logits : act(logits.shape(), "d logits");
-    res.loss_sum += ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
+    Tensor dl = !opt.backward        ? Tensor()
+                : act_ == DType::F32 ? logits
+                                     : act(logits.shape(), "d logits");
+    res.loss_sum +=
+        ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
     if (!opt.backward) continue;
     Tensor dx = dhn.slice_rows(r0, r1);
     ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
@@ -322,7 +330,8 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
 
   Tensor dh = fresh_on(dev_, {N, H}, "d hidden");
   Param* fn = find_param("model.norm.weight");
-  Tensor dfn = fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
+  Tensor dfn =
+      fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
   ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
   dhn = hn = Tensor();
   Tensor dh_act = act_ == DType::F32 ? dh : act({N, H}, "d hidden operand");

@@ -40,8 +40,9 @@ void check_state(const Tensor& param, const Tensor& grad, const Tensor& mq, cons
   RIG_CHECK(grad.numel() == n, "adamw8bit: grad {} for param {}", shape_str(grad.shape()),
             shape_str(param.shape()));
   for (const Tensor* q : {&mq, &vq})
-    RIG_CHECK(q->dtype() == DType::U8 && q->numel() == n, "adamw8bit: codes must be U8 [{}], got {} {}",
-              n, dtype_name(q->dtype()), shape_str(q->shape()));
+    RIG_CHECK(q->dtype() == DType::U8 && q->numel() == n,
+              "adamw8bit: codes must be U8 [{}], got {} {}", n, dtype_name(q->dtype()),
+              shape_str(q->shape()));
   for (const Tensor* a : {&mabs, &vabs})
     RIG_CHECK(a->dtype() == DType::F32 && a->numel() == blocks,
               "adamw8bit: absmax must be F32 [{}], got {} {}", blocks, dtype_name(a->dtype()),
@@ -83,13 +84,12 @@ void adamw8bit_step(Tensor& param, const Tensor& grad, Tensor& mq, Tensor& mabs,
       both.insert(both.end(), adam8_map(false).begin(), adam8_map(false).end());
       maps[dev] = Tensor::from_f32(both, {512}).to(param.device(), "adam8 maps");
     }
-    const int rc = cuda::k8::adamw8bit(
-        param.raw(), param.dtype() == DType::BF16, grad.raw(), grad.dtype() == DType::BF16,
-        mq.data<uint8_t>(), mabs.f32(), vq.data<uint8_t>(), vabs.f32(), maps[dev].f32(),
-        maps[dev].f32() + 256, n, decay, w1, h.beta2, w2, bc2_sqrt, h.eps, step_size,
-        cuda::stream_for(dev));
-    RIG_CHECK(rc == 0, "adamw8bit: kernel launch failed ({})",
-              cudaGetErrorString(cudaError_t(rc)));
+    const int rc = cuda::k8::adamw8bit(param.raw(), param.dtype() == DType::BF16, grad.raw(),
+                                       grad.dtype() == DType::BF16, mq.data<uint8_t>(), mabs.f32(),
+                                       vq.data<uint8_t>(), vabs.f32(), maps[dev].f32(),
+                                       maps[dev].f32() + 256, n, decay, w1, h.beta2, w2, bc2_sqrt,
+                                       h.eps, step_size, cuda::stream_for(dev));
+    RIG_CHECK(rc == 0, "adamw8bit: kernel launch failed ({})", cudaGetErrorString(cudaError_t(rc)));
     return;
   }
 #endif

@@ -42,10 +42,11 @@ double AdamW::clip_and_step(std::vector<Param>& params, float lr, double norm) {
       if (q == mv8_.end()) {
         const int64_t n = p.value.numel(), blocks = (n + ops::kAdam8Block - 1) / ops::kAdam8Block;
         const Device d = p.value.device();
-        q = mv8_.emplace(p.name, Moments8{Tensor::zeros({n}, DType::U8, d, "adamw8bit m"),
-                                          Tensor::zeros({blocks}, DType::F32, d, "adamw8bit m absmax"),
-                                          Tensor::zeros({n}, DType::U8, d, "adamw8bit v"),
-                                          Tensor::zeros({blocks}, DType::F32, d, "adamw8bit v absmax")})
+        q = mv8_.emplace(p.name,
+                         Moments8{Tensor::zeros({n}, DType::U8, d, "adamw8bit m"),
+                                  Tensor::zeros({blocks}, DType::F32, d, "adamw8bit m absmax"),
+                                  Tensor::zeros({n}, DType::U8, d, "adamw8bit v"),
+                                  Tensor::zeros({blocks}, DType::F32, d, "adamw8bit v absmax")})
                 .first;
       }
       Moments8& s = q->second;

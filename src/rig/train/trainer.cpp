@@ -527,9 +527,10 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   oc.eight_bit = cfg.optimizer.name == "adamw8bit";
   oc.min_8bit_size = cfg.optimizer.min_8bit_size;
   if (oc.eight_bit && sharding)
-    bad_input("{}: optimizer adamw8bit with strategy sharded is not supported yet (use adamw, or "
-              "strategy ddp)",
-              cfg.source);
+    bad_input(
+        "{}: optimizer adamw8bit with strategy sharded is not supported yet (use adamw, or "
+        "strategy ddp)",
+        cfg.source);
   AdamW opt(oc);
 
   LoaderOptions lo;
@@ -583,7 +584,8 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
         for (const char* k : {"adamw.m.", "adamw.v."})
           if (auto m = state.find(k + p.name); m != state.end())
             opt_state[m->first] = m->second.reshape(p.value.shape());
-        for (const char* k : {"adamw8bit.mq.", "adamw8bit.mabs.", "adamw8bit.vq.", "adamw8bit.vabs."})
+        for (const char* k :
+             {"adamw8bit.mq.", "adamw8bit.mabs.", "adamw8bit.vq.", "adamw8bit.vabs."})
           if (auto m = state.find(k + p.name); m != state.end()) opt_state[m->first] = m->second;
       }
       model->refresh_compute_weights();
@@ -990,10 +992,10 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     if (fault(FaultKind::BitFlipFrozen)) {
       Tensor target = frozen_flip_target(*model, shard.get());
       auto [was, is] = flip_high_exponent_bit(target);
-      note(fmt::format("rank {}: flipped {} from {:g} to {:g}", rank,
-                       target.dtype() == DType::U8 ? "a byte of frozen 4-bit weights"
-                                                   : "a frozen weight",
-                       was, is));
+      note(fmt::format(
+          "rank {}: flipped {} from {:g} to {:g}", rank,
+          target.dtype() == DType::U8 ? "a byte of frozen 4-bit weights" : "a frozen weight", was,
+          is));
     }
     const bool spike_fault = fault(FaultKind::LossSpike), nan_fault = fault(FaultKind::NanGrad),
                kill_fault = fault(FaultKind::Kill);

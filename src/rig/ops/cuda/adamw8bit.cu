@@ -38,9 +38,8 @@ __device__ __forceinline__ float block_max256(float v) {
 template <typename P, typename G>
 __global__ void adamw8bit_kernel(P* p, const G* g, unsigned char* mq, float* mabs,
                                  unsigned char* vq, float* vabs, const float* mmap_g,
-                                 const float* vmap_g, int64_t n, float decay, float w1,
-                                 float beta2, float w2, float bc2_sqrt, float eps,
-                                 float step_size) {
+                                 const float* vmap_g, int64_t n, float decay, float w1, float beta2,
+                                 float w2, float bc2_sqrt, float eps, float step_size) {
   __shared__ float mmap[256], vmap[256];
   mmap[threadIdx.x] = mmap_g[threadIdx.x];
   vmap[threadIdx.x] = vmap_g[threadIdx.x];
@@ -81,10 +80,12 @@ int adamw8bit(void* p, int p_bf16, const void* g, int g_bf16, unsigned char* mq,
   const unsigned blocks = unsigned((n + kBlock - 1) / kBlock);
   auto s = static_cast<cudaStream_t>(stream);
   const k::T tp = p_bf16 ? k::T::BF16 : k::T::F32, tg = g_bf16 ? k::T::BF16 : k::T::F32;
-  RIG_K_DISPATCH(tp, P, RIG_K_DISPATCH(tg, G, (adamw8bit_kernel<P, G><<<blocks, kBlock, 0, s>>>(
-                                                   static_cast<P*>(p), static_cast<const G*>(g), mq, mabs, vq,
-                                                   vabs, mmap, vmap, n, decay, w1, beta2, w2, bc2_sqrt, eps,
-                                                   step_size))));
+  RIG_K_DISPATCH(
+      tp, P,
+      RIG_K_DISPATCH(tg, G,
+                     (adamw8bit_kernel<P, G><<<blocks, kBlock, 0, s>>>(
+                         static_cast<P*>(p), static_cast<const G*>(g), mq, mabs, vq, vabs, mmap,
+                         vmap, n, decay, w1, beta2, w2, bc2_sqrt, eps, step_size))));
   return int(cudaGetLastError());
 }
 

@@ -1,6 +1,6 @@
 // Cross-entropy with ignore index -100: one block per row (online max/sum in float32, then the
-// gradient written in place or into a tensor of its own dtype), then one block adds the row losses in row order (double) and counts
-// the valid rows, so the host copies back a single small record.
+// gradient written in place or into a tensor of its own dtype), then one block adds the row losses
+// in row order (double) and counts the valid rows, so the host copies back a single small record.
 #include "rig/ops/cuda/common.cuh"
 
 namespace rig::ops::cuda::k {
@@ -80,13 +80,15 @@ int ce_threads(int64_t V) {
 
 }  // namespace
 
-cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows,
-                          int64_t V, float grad_scale, T td, void* dlogits, float* row_loss,
-                          CeResult* out, cudaStream_t s) {
+cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows, int64_t V,
+                          float grad_scale, T td, void* dlogits, float* row_loss, CeResult* out,
+                          cudaStream_t s) {
   if (rows > 0)
-    RIG_K_DISPATCH(t, E, RIG_K_DISPATCH(td, G, (ce_row_kernel<E, G><<<unsigned(rows), ce_threads(V), 0, s>>>(
-                             static_cast<const E*>(logits), targets, V, grad_scale,
-                             static_cast<G*>(dlogits), row_loss))));
+    RIG_K_DISPATCH(t, E,
+                   RIG_K_DISPATCH(td, G,
+                                  (ce_row_kernel<E, G><<<unsigned(rows), ce_threads(V), 0, s>>>(
+                                      static_cast<const E*>(logits), targets, V, grad_scale,
+                                      static_cast<G*>(dlogits), row_loss))));
   ce_finish_kernel<<<1, 1024, 0, s>>>(row_loss, targets, rows, V, out);
   return cudaGetLastError();
 }

@@ -27,7 +27,7 @@ __global__ void embedding_bwd_runs_kernel(const int64_t* sorted_ids, const int* 
   const int64_t i = blockIdx.x;
   const int64_t id = sorted_ids[i];
   if (i > 0 && sorted_ids[i - 1] == id) return;  // not the first row of its id
-  if (id < 0 || id >= vocab) return;              // reported by the forward
+  if (id < 0 || id >= vocab) return;             // reported by the forward
   for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
     float acc = 0;
     for (int64_t k = i; k < rows && sorted_ids[k] == id; ++k)
@@ -49,7 +49,9 @@ struct BwdScratch {
   void* temp;
   size_t temp_bytes;
 };
-size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+size_t align256(size_t b) {
+  return (b + 255) / 256 * 256;
+}
 size_t cub_temp_bytes(int64_t rows) {
   size_t t = 0;
   cub::DeviceRadixSort::SortPairs(nullptr, t, static_cast<const int64_t*>(nullptr),
@@ -91,13 +93,15 @@ cudaError_t embedding_bwd(const int64_t* ids, int64_t rows, T td, const void* do
   if (rows == 0) return cudaSuccess;
   BwdScratch b = carve(scratch, rows);
   iota_kernel<<<grid_for(rows, 256), 256, 0, s>>>(b.rows_in, rows);
-  cudaError_t e = cub::DeviceRadixSort::SortPairs(b.temp, b.temp_bytes, ids, b.sorted_ids,
-                                                  b.rows_in, b.rows_out, int(rows), 0,
-                                                  int(sizeof(int64_t) * 8), s);
+  cudaError_t e =
+      cub::DeviceRadixSort::SortPairs(b.temp, b.temp_bytes, ids, b.sorted_ids, b.rows_in,
+                                      b.rows_out, int(rows), 0, int(sizeof(int64_t) * 8), s);
   if (e != cudaSuccess) return e;
-  RIG_K_DISPATCH(td, D, RIG_K_DISPATCH(tt, Tt, (embedding_bwd_runs_kernel<D, Tt><<<unsigned(rows), 256, 0, s>>>(
-                                                    b.sorted_ids, b.rows_out, rows, static_cast<const D*>(dout),
-                                                    static_cast<Tt*>(dtable), vocab, h))));
+  RIG_K_DISPATCH(td, D,
+                 RIG_K_DISPATCH(tt, Tt,
+                                (embedding_bwd_runs_kernel<D, Tt><<<unsigned(rows), 256, 0, s>>>(
+                                    b.sorted_ids, b.rows_out, rows, static_cast<const D*>(dout),
+                                    static_cast<Tt*>(dtable), vocab, h))));
   return cudaGetLastError();
 }
 

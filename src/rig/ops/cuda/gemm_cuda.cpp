@@ -4,10 +4,10 @@
 // the heuristic's choice is cached per shape, dtypes, transposes and pointer alignment.
 #include <algorithm>
 #include <cstdlib>
-#include <string>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -171,8 +171,18 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
   RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.d, tc, uint64_t(n), uint64_t(m), n));
 
   const void* c_in = src ? src->raw() : c.raw();
-  const AlgoKey key{dev, m, n, k, ta, tb, int(tab), int(tc), alignment(b.raw()),
-                    alignment(a.raw()), std::min(alignment(c.raw()), alignment(c_in)), beta == 0.0f,
+  const AlgoKey key{dev,
+                    m,
+                    n,
+                    k,
+                    ta,
+                    tb,
+                    int(tab),
+                    int(tc),
+                    alignment(b.raw()),
+                    alignment(a.raw()),
+                    std::min(alignment(c.raw()), alignment(c_in)),
+                    beta == 0.0f,
                     bias ? int(cuda_type(bias->dtype())) : -1};
   auto it = algos().find(key);
   if (it == algos().end()) {
@@ -213,8 +223,8 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
       for (int i = 0; i < found; ++i) {
         auto run = [&] {
           return cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
-                                c_in, lc.d, scratch_d.raw(), lc.d, &res[i].algo,
-                                ld.workspace.raw(), kWorkspace, stream_for(dev));
+                                c_in, lc.d, scratch_d.raw(), lc.d, &res[i].algo, ld.workspace.raw(),
+                                kWorkspace, stream_for(dev));
         };
         if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here
         RIG_CUDA_CHECK(cudaEventRecord(e0, stream_for(dev)));

@@ -99,9 +99,9 @@ struct CeResult {
   long long bad_label;
 };
 // row_loss scratch [rows] float32; out one CeResult on the device.
-cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows,
-                          int64_t V, float grad_scale, T td, void* dlogits, float* row_loss,
-                          CeResult* out, cudaStream_t s);
+cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows, int64_t V,
+                          float grad_scale, T td, void* dlogits, float* row_loss, CeResult* out,
+                          cudaStream_t s);
 
 // ---- nf4.cu (bitsandbytes 4-bit weights: packed nibbles, element 2i in the high nibble)
 struct Nf4Args {

@@ -191,9 +191,14 @@ cudaError_t rmsnorm_fwd(T tx, const void* x, T tw, const void* w, float eps, T t
   const int th = row_threads(h);
   const bool vec = h % 8 == 0 && is_vec_ok(h, 2, {x, w, y});  // 8 elements: 16 bytes of bf16
   if (vec) {
-    RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(ty, Y, (rmsnorm_fwd_vec_kernel<X, W, Y><<<unsigned(rows), th, 0, s>>>(
-                                                                           static_cast<const X*>(x), static_cast<const W*>(w), eps,
-                                                                           static_cast<Y*>(y), rstd, h)))));
+    RIG_K_DISPATCH(
+        tx, X,
+        RIG_K_DISPATCH(
+            tw, W,
+            RIG_K_DISPATCH(ty, Y,
+                           (rmsnorm_fwd_vec_kernel<X, W, Y><<<unsigned(rows), th, 0, s>>>(
+                               static_cast<const X*>(x), static_cast<const W*>(w), eps,
+                               static_cast<Y*>(y), rstd, h)))));
     return cudaGetLastError();
   }
   RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(ty, Y, (rmsnorm_fwd_kernel<X, W, Y><<<unsigned(rows), th, 0, s>>>(
@@ -222,11 +227,29 @@ cudaError_t rmsnorm_bwd_add(T tdy, const void* dy, T tx, const void* x, T tw, co
   const int th = row_threads(h);
   const bool vec = h % 8 == 0 && is_vec_ok(h, 2, {dy, x, w, dh, copy});
   if (vec)
-    RIG_K_DISPATCH(tdy, DY, RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(tc, C, (rmsnorm_dx_add_vec_kernel<DY, X, W, C><<<unsigned(rows), th, 0, s>>>(
-        static_cast<const DY*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, dh, static_cast<C*>(copy), h))))));
+    RIG_K_DISPATCH(
+        tdy, DY,
+        RIG_K_DISPATCH(
+            tx, X,
+            RIG_K_DISPATCH(
+                tw, W,
+                RIG_K_DISPATCH(
+                    tc, C,
+                    (rmsnorm_dx_add_vec_kernel<DY, X, W, C><<<unsigned(rows), th, 0, s>>>(
+                        static_cast<const DY*>(dy), static_cast<const X*>(x),
+                        static_cast<const W*>(w), rstd, dh, static_cast<C*>(copy), h))))));
   else
-  RIG_K_DISPATCH(tdy, DY, RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(tw, W, RIG_K_DISPATCH(tc, C, (rmsnorm_dx_add_kernel<DY, X, W, C><<<unsigned(rows), th, 0, s>>>(
-      static_cast<const DY*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, dh, static_cast<C*>(copy), h))))));
+    RIG_K_DISPATCH(
+        tdy, DY,
+        RIG_K_DISPATCH(
+            tx, X,
+            RIG_K_DISPATCH(
+                tw, W,
+                RIG_K_DISPATCH(
+                    tc, C,
+                    (rmsnorm_dx_add_kernel<DY, X, W, C><<<unsigned(rows), th, 0, s>>>(
+                        static_cast<const DY*>(dy), static_cast<const X*>(x),
+                        static_cast<const W*>(w), rstd, dh, static_cast<C*>(copy), h))))));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || !dw) return e;
   return colsum<true>(tdy, dy, tx, x, rstd, tdw, dw, partial, rows, h, s);

@@ -153,8 +153,8 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
             shape_str(dtable.shape()));
   RIG_CHECK(ids.numel() < (int64_t(1) << 31), "{}: {} rows (at most 2^31 - 1)", op, ids.numel());
   DeviceGuard g(dev);
-  Tensor scratch_t = scratch({int64_t(k::embedding_bwd_scratch_bytes(ids.numel()))}, DType::U8,
-                             dev, "embedding_backward sort");
+  Tensor scratch_t = scratch({int64_t(k::embedding_bwd_scratch_bytes(ids.numel()))}, DType::U8, dev,
+                             "embedding_backward sort");
   check_status(k::embedding_bwd(ids.data<int64_t>(), ids.numel(), ktype(dout, op, "dout"),
                                 dout.raw(), ktype(dtable, op, "dtable"), dtable.raw(),
                                 dtable.dim(0), dtable.dim(1), scratch_t.raw(), stream_for(dev)),
@@ -237,8 +237,8 @@ void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, co
                          ktype(w, op, "w"), w.raw(), rstd.f32(), dh.f32(),
                          dh_copy ? ktype(*dh_copy, op, "dh_copy") : k::T::F32,
                          dh_copy ? dh_copy->raw() : nullptr, dw ? ktype(*dw, op, "dw") : k::T::F32,
-                         dw ? dw->raw() : nullptr, dw ? partial.f32() : nullptr, x.dim(0),
-                         x.dim(1), stream_for(dev)),
+                         dw ? dw->raw() : nullptr, dw ? partial.f32() : nullptr, x.dim(0), x.dim(1),
+                         stream_for(dev)),
       op);
 }
 
@@ -494,11 +494,11 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
   Tensor row_loss = scratch({std::max<int64_t>(rows, 1)}, DType::F32, dev, "cross_entropy row losses");
   Tensor res = scratch({int64_t(sizeof(k::CeResult))}, DType::U8, dev, "cross_entropy result");
   auto* dres = static_cast<k::CeResult*>(res.raw());
-  check_status(k::cross_entropy(t, logits.raw(), targets.data<int64_t>(), rows, V, grad_scale,
-                                dlogits ? ktype(*dlogits, op, "dlogits") : t,
-                                dlogits ? dlogits->raw() : nullptr, row_loss.f32(), dres,
-                                stream_for(dev)),
-               op);
+  check_status(
+      k::cross_entropy(t, logits.raw(), targets.data<int64_t>(), rows, V, grad_scale,
+                       dlogits ? ktype(*dlogits, op, "dlogits") : t,
+                       dlogits ? dlogits->raw() : nullptr, row_loss.f32(), dres, stream_for(dev)),
+      op);
   k::CeResult h{};
   RIG_CUDA_CHECK(cudaMemcpyAsync(&h, dres, sizeof(h), cudaMemcpyDeviceToHost, stream_for(dev)));
   RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));

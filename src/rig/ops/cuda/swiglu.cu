@@ -69,8 +69,9 @@ cudaError_t swiglu_fwd(T t, const void* g, const void* u, void* a, int64_t n, cu
   if (n == 0) return cudaSuccess;
   const int eb = t == T::F32 ? 4 : 2;
   if (is_vec_ok(n, eb, {g, u, a})) {
-    RIG_K_DISPATCH(t, E, (swiglu_fwd_vec_kernel<E><<<grid_for(n / kVec<E>, kThreads), kThreads, 0, s>>>(
-                             static_cast<const E*>(g), static_cast<const E*>(u), static_cast<E*>(a), n)));
+    RIG_K_DISPATCH(t, E,
+                   (swiglu_fwd_vec_kernel<E><<<grid_for(n / kVec<E>, kThreads), kThreads, 0, s>>>(
+                       static_cast<const E*>(g), static_cast<const E*>(u), static_cast<E*>(a), n)));
     return cudaGetLastError();
   }
   RIG_K_DISPATCH(t, E, (swiglu_fwd_kernel<E><<<grid_for(n, kThreads), kThreads, 0, s>>>(
@@ -83,9 +84,10 @@ cudaError_t swiglu_bwd(T t, const void* da, const void* g, const void* u, void* 
   if (n == 0) return cudaSuccess;
   const int eb = t == T::F32 ? 4 : 2;
   if (is_vec_ok(n, eb, {da, g, u, dg, du})) {
-    RIG_K_DISPATCH(t, E, (swiglu_bwd_vec_kernel<E><<<grid_for(n / kVec<E>, kThreads), kThreads, 0, s>>>(
-                             static_cast<const E*>(da), static_cast<const E*>(g), static_cast<const E*>(u),
-                             static_cast<E*>(dg), static_cast<E*>(du), n)));
+    RIG_K_DISPATCH(t, E,
+                   (swiglu_bwd_vec_kernel<E><<<grid_for(n / kVec<E>, kThreads), kThreads, 0, s>>>(
+                       static_cast<const E*>(da), static_cast<const E*>(g),
+                       static_cast<const E*>(u), static_cast<E*>(dg), static_cast<E*>(du), n)));
     return cudaGetLastError();
   }
   RIG_K_DISPATCH(t, E, (swiglu_bwd_kernel<E><<<grid_for(n, kThreads), kThreads, 0, s>>>(

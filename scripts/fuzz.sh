@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer target for SECONDS each (default 60) in a clang build (build-fuzz):
-# safetensors headers, the training YAML, config.json, tokenizer.json, JSONL records and the
-# checkpoint manifest. New inputs go to build-fuzz/tests/fuzz/corpus_NAME; a crash leaves
+# safetensors headers, the training YAML, config.json, tokenizer.json, JSONL records, the
+# checkpoint manifest and the bitsandbytes quant state. New inputs go to
+# build-fuzz/tests/fuzz/corpus_NAME; a crash leaves
 # crash-* in the current folder: fix it, then keep the input in tests/fuzz/corpus/NAME, where
 # the unit tests (fuzz_NAME_replay) replay it from then on.
 #   bash scripts/fuzz.sh [SECONDS] [NAME...]
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 seconds="${1:-60}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(safetensors train_yaml model_config tokenizer_json records_jsonl checkpoint_manifest)
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors train_yaml model_config tokenizer_json records_jsonl checkpoint_manifest quant_state)
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DRIG_CUDA=OFF -DRIG_FUZZ=ON \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
 ninja -C build-fuzz $(printf 'fuzz_%s ' "${targets[@]}")

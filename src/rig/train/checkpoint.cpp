@@ -333,7 +333,8 @@ LoadedCheckpoint load_checkpoint(const std::string& dir) {
 
 // ---- verifying ----------------------------------------------------------------------
 
-VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opt) {
+namespace {
+VerifyReport verify_checkpoint_unchecked(const std::string& dir, const VerifyOptions& opt) {
   fs::path d(dir);
   if (!fs::is_directory(d)) bad_input("{}: no such checkpoint folder", dir);
   VerifyReport r;
@@ -486,6 +487,21 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opt)
     scan(where, info.name, t);
   }
   return r;
+}
+}  // namespace
+
+VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opt) {
+  // A manifest entry of an unexpected type (a size given as a string, ...) is one more problem
+  // of the checkpoint, not an exception from the JSON library.
+  try {
+    return verify_checkpoint_unchecked(dir, opt);
+  } catch (const json::exception& e) {
+    VerifyReport r;
+    r.dir = dir;
+    if (auto s = parse_step_name(fs::path(dir).filename().string())) r.step = *s;
+    r.problems.push_back({kManifestFile, fmt::format("unexpected structure: {}", e.what())});
+    return r;
+  }
 }
 
 std::string VerifyReport::to_text() const {

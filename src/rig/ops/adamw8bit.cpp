@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "rig/ops/adam8_code.h"
 #include "rig/ops/profile.h"
 #include "rig/quant/nf4.h"
 #ifdef RIG_WITH_CUDA
@@ -18,21 +19,6 @@ const std::vector<float>& adam8_map(bool is_signed) {
 }
 
 namespace {
-
-// The index of the code nearest to x in a sorted 256-value map: the number of midpoints between
-// neighbouring codes that lie below x (the CUDA kernel searches the same way).
-uint8_t nearest_code(const float* map, float x) {
-  int lo = 0, hi = 255;  // the answer is in [lo, hi]
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (x > (map[mid] + map[mid + 1]) * 0.5f) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return uint8_t(lo);
-}
 
 void check_state(const Tensor& param, const Tensor& grad, const Tensor& mq, const Tensor& mabs,
                  const Tensor& vq, const Tensor& vabs) {
@@ -122,8 +108,8 @@ void adamw8bit_step(Tensor& param, const Tensor& grad, Tensor& mq, Tensor& mabs,
     pma[b] = mmax;
     pva[b] = vmax;
     for (int64_t i = i0; i < i1; ++i) {
-      pmq[i] = nearest_code(mmap, mmax > 0 ? m[i - i0] / mmax : 0.0f);
-      pvq[i] = nearest_code(vmap, vmax > 0 ? v[i - i0] / vmax : 0.0f);
+      pmq[i] = adam8_nearest_code(mmap, mmax > 0 ? m[i - i0] / mmax : 0.0f);
+      pvq[i] = adam8_nearest_code(vmap, vmax > 0 ? v[i - i0] / vmax : 0.0f);
     }
   }
 }

@@ -1,7 +1,8 @@
 // 8-bit AdamW: one thread block per 256-element state block. Each thread dequantizes its moments,
 // applies the float32 AdamW update (the order of operations of adamw.cu), the block finds the new
 // absmax of both moments, and each thread stores the nearest codes (a binary search over the
-// midpoints of the sorted map, as the CPU oracle does).
+// midpoints of the sorted map, the same function the CPU oracle calls).
+#include "rig/ops/adam8_code.h"
 #include "rig/ops/cuda/common.cuh"
 
 namespace rig::ops::cuda::k8 {
@@ -9,19 +10,6 @@ namespace rig::ops::cuda::k8 {
 namespace {
 
 constexpr int kBlock = 256;
-
-__device__ __forceinline__ unsigned char nearest_code(const float* map, float x) {
-  int lo = 0, hi = 255;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (x > (map[mid] + map[mid + 1]) * 0.5f) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return static_cast<unsigned char>(lo);
-}
 
 __device__ __forceinline__ float block_max256(float v) {
   __shared__ float sh[kBlock / 32];
@@ -65,8 +53,8 @@ __global__ void adamw8bit_kernel(P* p, const G* g, unsigned char* mq, float* mab
     vabs[b] = vmax;
   }
   if (live) {
-    mq[i] = nearest_code(mmap, mmax > 0 ? mi / mmax : 0.0f);
-    vq[i] = nearest_code(vmap, vmax > 0 ? vi / vmax : 0.0f);
+    mq[i] = adam8_nearest_code(mmap, mmax > 0 ? mi / mmax : 0.0f);
+    vq[i] = adam8_nearest_code(vmap, vmax > 0 ? vi / vmax : 0.0f);
   }
 }
 

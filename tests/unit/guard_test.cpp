@@ -461,19 +461,25 @@ TEST(Guard, BitFlipInAWeightRollsBackToTheSameResult) {
              std::to_string(lost), "bitwise equal to a clean run"});
 }
 
-TEST(Guard, BitFlipInAFrozenBaseWeightIsFoundAndReloaded) {
-  // LoRA on the tiny Llama-3 fixture: the base weights are frozen, in no checkpoint, and most
-  // of the memory. Their hash must never move; when it does, the rollback reloads them.
-  const std::string base = test::temp_dir("guard_frozen");
+namespace {
+
+// A bit flipped at step 3 in a frozen base weight of the tiny Llama-3 fixture, with LoRA on it
+// (`more` picks the method): the base is in no checkpoint, so its hash must never move; when it
+// does, the rollback reloads it and the run ends as a clean one. Writes the table row `key`.
+void expect_frozen_flip_repaired(const std::string& name, const std::vector<std::string>& more,
+                                 const std::string& key, const std::string& setup,
+                                 const std::string& recovery) {
+  const std::string base = test::temp_dir(name);
   const int64_t steps = 6, at = 3;
-  auto cfg = [&](const std::string& out, std::vector<std::string> more) {
-    more.insert(more.end(), {"guard.replica_check_every=2", "save.every=2", "packing=false",
-                             "micro_batch_size=4", "eval.split=0", "save.keep_last=0",
-                             "optimizer.lr=1e-2", "max_steps=" + std::to_string(steps),
-                             "output_dir=" + out, "datasets.0.path=" + small_data(),
-                             "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
-                             "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
-    return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", more);
+  auto cfg = [&](const std::string& out, std::vector<std::string> extra) {
+    extra.insert(extra.end(), more.begin(), more.end());
+    extra.insert(extra.end(), {"guard.replica_check_every=2", "save.every=2", "packing=false",
+                               "micro_batch_size=4", "eval.split=0", "save.keep_last=0",
+                               "optimizer.lr=1e-2", "max_steps=" + std::to_string(steps),
+                               "output_dir=" + out, "datasets.0.path=" + small_data(),
+                               "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
+                               "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
+    return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", extra);
   };
   auto r = run(cfg(base + "/flip", {"inject=[bit-flip-frozen@3]"}));
   EXPECT_EQ(r.rollbacks, 1);
@@ -491,49 +497,26 @@ TEST(Guard, BitFlipInAFrozenBaseWeightIsFoundAndReloaded) {
   const int64_t lost = steps_lost(base + "/flip", steps);
   EXPECT_EQ(lost, 0);
   const int64_t seen = fm[0]["step"];
-  check_row(
-      "05-bit-flip-frozen",
-      {"--inject bit-flip-frozen@3", "CPU, 1 process, LoRA", detected_by(fm[0]),
-       steps_text(seen - at),
-       "rollback to step-2, frozen weights reloaded from the model, same batches",
-       std::to_string(seen - 1 - 2), "0", std::to_string(lost), "bitwise equal to a clean run"});
+  check_row(key, {"--inject bit-flip-frozen@3", setup, detected_by(fm[0]), steps_text(seen - at),
+                  recovery, std::to_string(seen - 1 - 2), "0", std::to_string(lost),
+                  "bitwise equal to a clean run"});
+}
+
+}  // namespace
+
+TEST(Guard, BitFlipInAFrozenBaseWeightIsFoundAndReloaded) {
+  expect_frozen_flip_repaired("guard_frozen", {}, "05-bit-flip-frozen", "CPU, 1 process, LoRA",
+                              "rollback to step-2, frozen weights reloaded from the model, same "
+                              "batches");
 }
 
 // The same on QLoRA: the flip lands in the packed 4-bit codes (one code moves by 8 of its 16
 // values); the hash of the stored bytes finds it and the rollback re-quantizes the base.
 TEST(Guard, BitFlipInA4BitBaseWeightIsFoundAndReloaded) {
-  const std::string base = test::temp_dir("guard_frozen_4bit");
-  const int64_t steps = 6, at = 3;
-  auto cfg = [&](const std::string& out, std::vector<std::string> more) {
-    more.insert(
-        more.end(),
-        {"method=qlora", "guard.replica_check_every=2", "save.every=2", "packing=false",
-         "micro_batch_size=4", "eval.split=0", "save.keep_last=0", "optimizer.lr=1e-2",
-         "max_steps=" + std::to_string(steps), "output_dir=" + out,
-         "datasets.0.path=" + small_data(), "model=" + kSrc + "/tests/data/hf/tiny-llama3/model",
-         "tokenizer=" + kSrc + "/data/demo/tokenizer.json"});
-    return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", more);
-  };
-  auto r = run(cfg(base + "/flip", {"inject=[bit-flip-frozen@3]"}));
-  EXPECT_EQ(r.rollbacks, 1);
-  auto fm = events(base + "/flip", "frozen_mismatch");
-  ASSERT_EQ(fm.size(), 1u) << read_file(base + "/flip/train.log");
-  auto rb = events(base + "/flip", "rollback");
-  ASSERT_EQ(rb.size(), 1u);
-  EXPECT_EQ(rb[0]["rule"], "frozen");
-  EXPECT_EQ(rb[0].value("reloaded_frozen_weights", false), true);
-  run(cfg(base + "/ref", {}));
-  expect_same_tensors(base + "/flip/final/adapter_model.safetensors",
-                      base + "/ref/final/adapter_model.safetensors");
-  const int64_t lost = steps_lost(base + "/flip", steps);
-  EXPECT_EQ(lost, 0);
-  const int64_t seen = fm[0]["step"];
-  check_row(
-      "05b-bit-flip-frozen-4bit",
-      {"--inject bit-flip-frozen@3", "CPU, 1 process, QLoRA (NF4 codes)", detected_by(fm[0]),
-       steps_text(seen - at),
-       "rollback to step-2, 4-bit weights re-quantized from the model, same batches",
-       std::to_string(seen - 1 - 2), "0", std::to_string(lost), "bitwise equal to a clean run"});
+  expect_frozen_flip_repaired("guard_frozen_4bit", {"method=qlora"}, "05b-bit-flip-frozen-4bit",
+                              "CPU, 1 process, QLoRA (NF4 codes)",
+                              "rollback to step-2, 4-bit weights re-quantized from the model, "
+                              "same batches");
 }
 
 // ---- crashes, through the rig binary -----------------------------------------------------------

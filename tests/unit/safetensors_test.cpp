@@ -23,7 +23,9 @@ std::string make_file(const std::string& header, size_t data_bytes, int64_t len_
 }
 
 std::string write_tmp(const std::string& name, const std::string& bytes) {
-  std::string p = test::temp_dir("st") + "/" + name;
+  // One folder per test: ctest runs tests in parallel, and temp_dir empties the folder it returns.
+  const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::string p = test::temp_dir("st-" + test) + "/" + name;
   std::ofstream(p, std::ios::binary) << bytes;
   return p;
 }

@@ -1,6 +1,7 @@
 // rig bench train: training tokens/s and peak memory of the engine on a model shape.
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -122,13 +123,13 @@ int run(const Opts& o) {
     m->refresh_compute_weights();
     const rig::ops::Profile p = rig::ops::profile_close();
     for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
-    nlohmann::json per_op;
+    std::map<std::string, std::pair<double, int>> per_op;  // op -> (ms, calls)
     for (const auto& s : p.spans) {
-      auto& e = per_op[s.op];
-      e["ms"] = e.value("ms", 0.0) + (s.end_ms - s.start_ms);
-      e["calls"] = e.value("calls", 0) + 1;
+      auto& [ms, calls] = per_op[s.op];
+      ms += s.end_ms - s.start_ms;
+      ++calls;
     }
-    breakdown["ops"] = per_op;
+    for (const auto& [op, v] : per_op) breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
     breakdown["step_ms"] = p.wall_ms;
     breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
     if (!o.trace.empty()) rig::write_file_atomic(o.trace, p.chrome_trace());

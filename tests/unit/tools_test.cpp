@@ -1,4 +1,5 @@
 // rig generate / eval / merge through the CLI.
+#include <nlohmann/json.hpp>
 #include <gtest/gtest.h>
 
 #include "rig/io/safetensors.h"
@@ -76,4 +77,20 @@ TEST(Tools, BenchTrainRejectsSizesBelowOne) {
   auto ok = test::run_rig(args("", ""));
   EXPECT_EQ(ok.code, 0) << ok.out;
   EXPECT_NE(ok.out.find("tokens/s"), std::string::npos) << ok.out;
+}
+
+TEST(Tools, BenchTrainProfileBreaksTheStepDownPerOp) {
+  // The per-op table that bench/op_table.py reads: every recorded op with its time and calls.
+  auto r = test::run_rig(
+      "bench train --hidden 32 --layers 2 --heads 2 --kv-heads 1 --intermediate 64 --vocab 64 --batch 1 "
+      "--seq 8 --steps 1 --json --profile");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  const auto& ops = j.at("breakdown").at("ops");
+  ASSERT_TRUE(ops.contains("attention_forward")) << ops.dump();
+  EXPECT_EQ(ops["attention_forward"]["calls"].get<int>(), 2);  // one per layer
+  EXPECT_GT(ops["attention_forward"]["ms"].get<double>(), 0.0);
+  double total = 0;
+  for (const auto& [op, v] : ops.items()) total += v["ms"].get<double>();
+  EXPECT_LE(total, j["breakdown"]["step_ms"].get<double>() * 1.01);
 }

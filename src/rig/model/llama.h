@@ -22,7 +22,8 @@ struct Param {
   std::string name;
   Tensor value, grad;  // grad is defined for trainable parameters after zero_grad()
   // Under a BF16 compute dtype, the BF16 copy of a trainable operand that the products read
-  // (refresh_compute_weights() after changing `value`); undefined otherwise. Frozen matrices
+  // (AdamW refreshes it with each step; refresh_compute_weights() after any other change to
+  // `value`); undefined otherwise. Frozen matrices
   // under BF16 are stored in BF16 (`value` itself) and have no copy.
   Tensor compute;
   bool trainable = true;

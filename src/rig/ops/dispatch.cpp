@@ -111,6 +111,10 @@ void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
   RIG_DISPATCH_AS("optimizer", param, adamw_step(param, grad, m, v, h));
 }
+void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale) {
+  if (slots.empty()) return;
+  RIG_DISPATCH_AS("optimizer", slots.front().param, adamw_step_list(slots, h, grad_scale));
+}
 
 namespace {
 // The guard's list ops run where the first tensor lives; every other one must be there too.

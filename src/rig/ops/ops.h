@@ -82,6 +82,16 @@ struct AdamWParams {
   int64_t step;
 };
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+// AdamW over many tensors in one pass (on CUDA one launch per few dozen tensors), as torch's
+// multi-tensor AdamW after clip_grad_norm_: each gradient is used as grad * grad_scale (the
+// clipping coefficient; the gradient itself is not written), each slot decays by its own
+// weight_decay (h.weight_decay is not used), and a defined `copy` (BF16, same size) receives the
+// updated parameter: the compute weights refreshed in the same pass.
+struct AdamWSlot {
+  Tensor param, grad, m, v, copy;
+  float weight_decay = 0;
+};
+void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale);
 
 // The training guard's checks (docs/reliability.md). Each reads a list of tensors where they live
 // (all on one device) and returns one number: on CUDA one kernel per tensor accumulates into a

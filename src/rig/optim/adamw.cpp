@@ -26,17 +26,16 @@ double AdamW::clip_and_step(std::vector<Param>& params, float lr) {
 }
 
 double AdamW::clip_and_step(std::vector<Param>& params, float lr, double norm) {
-  if (cfg_.max_grad_norm > 0) {
-    float coef = float(cfg_.max_grad_norm / (float(norm) + 1e-6f));
-    if (coef < 1.0f)
-      for (auto& p : params)
-        if (p.trainable && p.grad.defined()) ops::scale_(p.grad, coef);
-  }
+  float coef = 1.0f;  // as clip_grad_norm_: gradients scaled only when the norm is above the limit
+  if (cfg_.max_grad_norm > 0) coef = std::min(1.0f, float(cfg_.max_grad_norm / (float(norm) + 1e-6f)));
   ++step_;
+  const ops::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_};
+  // Float32 moments: one pass over all of them that also applies the clip and writes the compute
+  // copies. 8-bit moments: one kernel per tensor.
+  std::vector<ops::AdamWSlot> slots;
   for (auto& p : params) {
     if (!p.trainable || !p.grad.defined()) continue;
     const float wd = cfg_.no_decay_on_norms_and_biases && p.no_decay ? 0.0f : cfg_.weight_decay;
-    const ops::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, wd, step_};
     if (cfg_.eight_bit && p.value.numel() >= cfg_.min_8bit_size) {
       auto q = mv8_.find(p.name);
       if (q == mv8_.end()) {
@@ -49,8 +48,12 @@ double AdamW::clip_and_step(std::vector<Param>& params, float lr, double norm) {
                                   Tensor::zeros({blocks}, DType::F32, d, "adamw8bit v absmax")})
                 .first;
       }
+      if (coef < 1.0f) ops::scale_(p.grad, coef);
       Moments8& s = q->second;
-      ops::adamw8bit_step(p.value, p.grad, s.mq, s.mabs, s.vq, s.vabs, hp);
+      ops::AdamWParams h8 = hp;
+      h8.weight_decay = wd;
+      ops::adamw8bit_step(p.value, p.grad, s.mq, s.mabs, s.vq, s.vabs, h8);
+      if (p.compute.defined()) ops::cast(p.value, p.compute);
       continue;
     }
     auto it = mv_.find(p.name);
@@ -59,8 +62,9 @@ double AdamW::clip_and_step(std::vector<Param>& params, float lr, double norm) {
                                               Tensor::zeros(p.value.shape(), DType::F32, p.value.device(), "adamw v")))
                .first;
     }
-    ops::adamw_step(p.value, p.grad, it->second.first, it->second.second, hp);
+    slots.push_back({p.value, p.grad, it->second.first, it->second.second, p.compute, wd});
   }
+  ops::adamw_step_list(slots, hp, coef);
   return norm;
 }
 

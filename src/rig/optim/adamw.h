@@ -23,8 +23,9 @@ struct OptimizerConfig {
 class AdamW {
  public:
   explicit AdamW(OptimizerConfig c) : cfg_(c) {}
-  // Clips the global gradient norm, then updates every trainable parameter. Returns the norm
-  // before clipping.
+  // Clips the global gradient norm, then updates every trainable parameter and its compute copy
+  // (Param::compute, where the model keeps one). Returns the norm before clipping. The clip is
+  // applied as the update reads each gradient: float32-moment gradients are left unscaled.
   double clip_and_step(std::vector<Param>& params, float lr);
   // The same with the norm already known (the guard reads it before deciding to step).
   double clip_and_step(std::vector<Param>& params, float lr, double norm);

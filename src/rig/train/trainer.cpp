@@ -1129,8 +1129,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
     }
     skips_in_row = 0;
     // Sharded: clipped above already (the optimizer's max_grad_norm is 0 there).
-    opt.clip_and_step(opt_params, lr, norm);
-    if (!shard) model->refresh_compute_weights();
+    opt.clip_and_step(opt_params, lr, norm);  // also refreshes the compute copies
     spikes.record(loss, norm);
     ++step;
     StepMetrics m;

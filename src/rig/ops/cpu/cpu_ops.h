@@ -34,6 +34,7 @@ std::vector<double> sum_squares_list(const std::vector<Tensor>& ts);
 void cast(const Tensor& src, Tensor& dst);
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale);
 int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs);
 uint64_t hash64(const std::vector<Tensor>& ts);
 }  // namespace rig::ops::cpu

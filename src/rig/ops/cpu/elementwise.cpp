@@ -138,8 +138,13 @@ void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
   for (int64_t i = 0; i < n; ++i) po[i] = uni(rng) < p ? 0.0f : px[i] * keep;
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
+namespace {
+void adamw_scaled(Tensor& param, const Tensor& grad, float grad_scale, Tensor& m, Tensor& v,
+                  const AdamWParams& h) {
   const int64_t n = param.numel();
+  RIG_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
+            "adamw_step: param {} grad {} m {} v {}", shape_str(param.shape()),
+            shape_str(grad.shape()), shape_str(m.shape()), shape_str(v.shape()));
   float *pp = param.f32(), *pm = m.f32(), *pv = v.f32();
   const float* pg = grad.f32();
   // The same order of operations as torch's single-tensor AdamW.
@@ -151,11 +156,26 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   const float w1 = 1.0f - h.beta1, w2 = 1.0f - h.beta2;
 #pragma omp parallel for
   for (int64_t i = 0; i < n; ++i) {
+    const float g = pg[i] * grad_scale;  // as clip_grad_norm_ leaves it (x1: unchanged)
     pp[i] *= decay;
-    pm[i] += w1 * (pg[i] - pm[i]);
-    pv[i] = pv[i] * h.beta2 + w2 * pg[i] * pg[i];
+    pm[i] += w1 * (g - pm[i]);
+    pv[i] = pv[i] * h.beta2 + w2 * g * g;
     const float denom = std::sqrt(pv[i]) / bc2_sqrt + h.eps;
     pp[i] -= step_size * (pm[i] / denom);
+  }
+}
+}  // namespace
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
+  adamw_scaled(param, grad, 1.0f, m, v, h);
+}
+
+void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale) {
+  for (auto& s : slots) {
+    AdamWParams hs = h;
+    hs.weight_decay = s.weight_decay;
+    adamw_scaled(s.param, s.grad, grad_scale, s.m, s.v, hs);
+    if (s.copy.defined()) cast(s.param, s.copy);
   }
 }
 

@@ -7,7 +7,48 @@ namespace rig::ops::cuda::k {
 
 namespace {
 
-template <typename E, typename G>
+// Four consecutive elements as float: one 16-byte (float) or 8-byte (bf16) access.
+template <typename E>
+struct Quad;
+template <>
+struct Quad<float> {
+  using V = float4;
+  static __device__ __forceinline__ void load(const float* p, float (&o)[4]) {
+    const float4 r = *reinterpret_cast<const float4*>(p);
+    o[0] = r.x, o[1] = r.y, o[2] = r.z, o[3] = r.w;
+  }
+  static __device__ __forceinline__ void store(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+};
+template <>
+struct Quad<bf16> {
+  static __device__ __forceinline__ void load(const bf16* p, float (&o)[4]) {
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
+    const bf16* e = reinterpret_cast<const bf16*>(&r);
+    for (int j = 0; j < 4; ++j) o[j] = __bfloat162float(e[j]);
+  }
+  static __device__ __forceinline__ void store(bf16* p, const float (&v)[4]) {
+    uint2 r;
+    bf16* e = reinterpret_cast<bf16*>(&r);
+    for (int j = 0; j < 4; ++j) e[j] = __float2bfloat16_rn(v[j]);
+    *reinterpret_cast<uint2*>(p) = r;
+  }
+};
+
+// Folds x into a running (max m, sum s of exp(. - m)).
+__device__ __forceinline__ void online_add(float x, float& m, float& s) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;
+    m = x;
+  } else {
+    s += expf(x - m);
+  }
+}
+
+// QUAD: the row is read and written four elements at a time (V a multiple of 4 and the rows
+// aligned to that), so each thread keeps more bytes in flight on the bandwidth-bound passes.
+template <typename E, typename G, bool QUAD>
 __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V, float scale,
                               G* dlogits, float* row_loss) {
   const int64_t r = blockIdx.x;
@@ -21,26 +62,38 @@ __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V
     return;
   }
   float m = -INFINITY, s = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const float v = ld(x, j);
-    if (v > m) {
-      s = s * expf(m - v) + 1.0f;
-      m = v;
-    } else {
-      s += expf(v - m);
+  if constexpr (QUAD) {
+    for (int64_t j = 4 * int64_t(threadIdx.x); j < V; j += 4 * int64_t(blockDim.x)) {
+      float v[4];
+      Quad<E>::load(x + j, v);
+      for (int i = 0; i < 4; ++i) online_add(v[i], m, s);
     }
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online_add(ld(x, j), m, s);
   }
   const float xt = ld(x, t);  // read before any thread passes the barriers below and writes dx
   const float M = block_max(m);
   const float S = block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
   const float lse = M + logf(S);
   if (threadIdx.x == 0) row_loss[r] = lse - xt;
-  if (dx)
+  if (!dx) return;
+  if constexpr (QUAD) {
+    for (int64_t j = 4 * int64_t(threadIdx.x); j < V; j += 4 * int64_t(blockDim.x)) {
+      float v[4];
+      Quad<E>::load(x + j, v);
+      for (int i = 0; i < 4; ++i) {
+        v[i] = expf(v[i] - lse) * scale;
+        if (j + i == t) v[i] -= scale;
+      }
+      Quad<G>::store(dx + j, v);
+    }
+  } else {
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
       float g = expf(ld(x, j) - lse) * scale;
       if (j == t) g -= scale;
       st(dx, j, g);
     }
+  }
 }
 
 __global__ void ce_finish_kernel(const float* row_loss, const int64_t* targets, int64_t rows,
@@ -83,12 +136,22 @@ int ce_threads(int64_t V) {
 cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows, int64_t V,
                           float grad_scale, T td, void* dlogits, float* row_loss, CeResult* out,
                           cudaStream_t s) {
+  // Quads need every row start aligned: V a multiple of 4 and 16-byte aligned bases.
+  const bool quad = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(dlogits) % 16 == 0;
   if (rows > 0)
-    RIG_K_DISPATCH(t, E,
-                   RIG_K_DISPATCH(td, G,
-                                  (ce_row_kernel<E, G><<<unsigned(rows), ce_threads(V), 0, s>>>(
-                                      static_cast<const E*>(logits), targets, V, grad_scale,
-                                      static_cast<G*>(dlogits), row_loss))));
+    RIG_K_DISPATCH(
+        t, E,
+        RIG_K_DISPATCH(td, G, {
+          auto* x = static_cast<const E*>(logits);
+          auto* dx = static_cast<G*>(dlogits);
+          if (quad)
+            ce_row_kernel<E, G, true><<<unsigned(rows), ce_threads(V), 0, s>>>(
+                x, targets, V, grad_scale, dx, row_loss);
+          else
+            ce_row_kernel<E, G, false><<<unsigned(rows), ce_threads(V), 0, s>>>(
+                x, targets, V, grad_scale, dx, row_loss);
+        }));
   ce_finish_kernel<<<1, 1024, 0, s>>>(row_loss, targets, rows, V, out);
   return cudaGetLastError();
 }

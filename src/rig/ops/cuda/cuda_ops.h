@@ -11,7 +11,7 @@
 //    (F32 recommended for gradients: the reductions accumulate in float32 and round once).
 //  - Reduction outputs are F32: rmsnorm rstd [rows], attention lse [B,Hq,T].
 //  - rope cos/sin tables F32 or BF16; pos, ids, targets, seg I64.
-//  - adamw_step: param and grad F32 or BF16, m and v F32.
+//  - adamw_step(_list): param and grad F32 or BF16, m and v F32; the list's copies BF16.
 // dropout draws its mask from a counter-based hash of (seed, element index), so it is
 // deterministic and independent of the launch shape, but it differs from the CPU backend's
 // sequential mt19937 mask for the same seed.
@@ -68,6 +68,7 @@ std::vector<double> sum_squares_list(const std::vector<Tensor>& ts);
 void cast(const Tensor& src, Tensor& dst);
 void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
+void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale);
 // out (F32 or BF16, q's element count, on q's device) = the 4-bit weight decoded: double-quantized
 // absmax inline, f32(code[nibble] * absmax) rounded to q.dtype, then stored in out's dtype.
 void dequantize_4bit(const quant::QuantizedWeight& q, Tensor& out);

@@ -48,6 +48,21 @@ cudaError_t hash_bytes(const void* p, int64_t bytes, uint64_t index_in_list,
 cudaError_t adamw(T tp, void* p, T tg, const void* g, float* m, float* v, int64_t n, float decay,
                   float w1, float beta2, float w2, float bc2_sqrt, float eps, float step_size,
                   cudaStream_t s);
+// Many tensors in one launch (kernel parameters, no table to copy): gradients are read as
+// g * grad_scale; `copy` (BF16, may be null) receives the updated parameter.
+struct AdamWSlot {
+  void* p;
+  const void* g;
+  float* m;
+  float* v;
+  void* copy;
+  int64_t n;
+  float decay;
+  T tp, tg;
+};
+constexpr int kAdamWSlotsPerLaunch = 40;
+cudaError_t adamw_list(const AdamWSlot* slots, int count, float grad_scale, float w1, float beta2,
+                       float w2, float bc2_sqrt, float eps, float step_size, cudaStream_t s);
 
 // ---- embedding.cu
 cudaError_t embedding_fwd(const int64_t* ids, int64_t rows, T tt, const void* table, int64_t vocab,

@@ -628,6 +628,46 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
                op);
 }
 
+void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale) {
+  const char* op = "adamw_step_list";
+  const int dev = slots.front().param.device().index;
+  RIG_CHECK(h.step >= 1, "{}: step {} (counts from 1)", op, h.step);
+  std::vector<k::AdamWSlot> ks;
+  ks.reserve(slots.size());
+  for (auto& s : slots) {
+    check_on(s.param, dev, op, "param");
+    for (auto [t, n] : {std::pair{&s.grad, "grad"}, {&s.m, "m"}, {&s.v, "v"}}) {
+      check_on(*t, dev, op, n);
+      RIG_CHECK(t->numel() == s.param.numel(), "{}: {} {} for param {}", op, n,
+                shape_str(t->shape()), shape_str(s.param.shape()));
+    }
+    check_dtype(s.m, DType::F32, op, "m");
+    check_dtype(s.v, DType::F32, op, "v");
+    if (s.copy.defined()) {
+      check_on(s.copy, dev, op, "copy");
+      check_dtype(s.copy, DType::BF16, op, "copy");
+      RIG_CHECK(s.copy.numel() == s.param.numel(), "{}: copy {} for param {}", op,
+                shape_str(s.copy.shape()), shape_str(s.param.shape()));
+    }
+    ks.push_back(k::AdamWSlot{s.param.raw(), s.grad.raw(), s.m.f32(), s.v.f32(),
+                              s.copy.defined() ? s.copy.raw() : nullptr, s.param.numel(),
+                              1.0f - h.lr * s.weight_decay, ktype(s.param, op, "param"),
+                              ktype(s.grad, op, "grad")});
+  }
+  // The scalars exactly as adamw_step (and the CPU oracle) computes them.
+  const double bc1 = 1.0 - std::pow(double(h.beta1), double(h.step));
+  const double bc2 = 1.0 - std::pow(double(h.beta2), double(h.step));
+  const float step_size = float(double(h.lr) / bc1);
+  const float bc2_sqrt = float(std::sqrt(bc2));
+  DeviceGuard g(dev);
+  for (size_t at = 0; at < ks.size(); at += k::kAdamWSlotsPerLaunch) {
+    const int count = int(std::min<size_t>(k::kAdamWSlotsPerLaunch, ks.size() - at));
+    check_status(k::adamw_list(ks.data() + at, count, grad_scale, 1.0f - h.beta1, h.beta2,
+                               1.0f - h.beta2, bc2_sqrt, h.eps, step_size, stream_for(dev)),
+                 op);
+  }
+}
+
 // ---- guard ------------------------------------------------------------------------------------
 
 namespace {

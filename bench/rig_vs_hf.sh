@@ -6,7 +6,8 @@
 # usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]   (RIG=path/to/rig, default dist/rig/rig;
 #        ROWS=0,3 runs those rows of the plan only; STEPS=N timed steps for rig;
 #        CKPT="0=full:20 2=selective" sets rig's checkpointing per row: none, selective, full, or
-#        full:N (the first N layers recompute, the rest selective); default: the plan's column)
+#        full:N (the first N layers recompute, the rest selective); default: the plan's column;
+#        EXTRA="3=--loss-chunk-rows 2048;0=..." adds rig flags to a row)
 set -u
 out=${1:?usage: bench/rig_vs_hf.sh OUTDIR [rig|hf|both]}
 which=${2:-both}
@@ -58,6 +59,11 @@ if [ "$which" != hf ]; then
     args+=("--checkpointing=${mode%%:*}")
     [ "${mode#*:}" != "$mode" ] && args+=(--recompute-layers "${mode#*:}")
     [ "$method" = lora ] && args+=(--lora-targets "$targets" --lora-r "$rank")
+    IFS=';' read -r -a extras <<< "${EXTRA:-}"
+    for kv in "${extras[@]}"; do
+      # shellcheck disable=SC2206
+      [ "${kv%%=*}" = "$i" ] && args+=(${kv#*=})
+    done
     echo "rig ${args[*]}" >&2
     with_smi_peak "$i" "$rig" "${args[@]}" || echo "rig row failed: $r" >&2
   done

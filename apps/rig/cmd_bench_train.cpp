@@ -23,6 +23,7 @@ struct Opts {
   int lora_r = 16;
   std::string ckpt = "none";
   int64_t recompute_layers = -1;
+  int64_t loss_chunk_rows = rig::StepOptions{}.loss_chunk_rows;
   bool json = false, profile = false;
   std::string trace;
 };
@@ -39,7 +40,8 @@ int run(const Opts& o) {
                          {"--kv-heads", o.kv_heads},
                          {"--intermediate", o.inter},
                          {"--vocab", o.vocab},
-                         {"--lora-r", int64_t(o.lora_r)}})
+                         {"--lora-r", int64_t(o.lora_r)},
+                         {"--loss-chunk-rows", o.loss_chunk_rows}})
     if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
   std::unique_ptr<rig::LlamaModel> m;
   const bool qlora = o.method == "qlora";
@@ -99,6 +101,7 @@ int run(const Opts& o) {
                      : o.ckpt == "selective" ? rig::Checkpointing::Selective
                                              : rig::Checkpointing::None;
   so.recompute_layers = o.recompute_layers;
+  so.loss_chunk_rows = o.loss_chunk_rows;
   auto& alloc = rig::allocator_for(dev);
   double secs = 0;
   std::vector<double> losses;
@@ -147,6 +150,7 @@ int run(const Opts& o) {
                       {"seq", o.seq},
                       {"checkpointing", o.ckpt},
                       {"recompute_layers", o.recompute_layers},
+                      {"loss_chunk_rows", o.loss_chunk_rows},
                       {"optimizer", o.optimizer},
                       {"optimizer_state_bytes", opt.state_bytes()},
                       {"tokens_per_s", tokens / secs},
@@ -207,6 +211,10 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
   app.add_option("--recompute-layers", o->recompute_layers,
                  "with full checkpointing: layers that recompute their forward, the rest run "
                  "selective (-1: all)")
+      ->capture_default_str();
+  app.add_option("--loss-chunk-rows", o->loss_chunk_rows,
+                 "rows of float32 logits the loss materialises at once (memory against fewer, "
+                 "larger LM-head products)")
       ->capture_default_str();
   app.add_flag("--json", o->json, "one JSON line");
   app.add_flag("--profile", o->profile,

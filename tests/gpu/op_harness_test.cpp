@@ -707,9 +707,12 @@ TEST(OpHarness, AddScaleSumSquares) {
     const double ref = ops::sum_squares(b), got = ops::sum_squares(gpu(b, dt));
     EXPECT_LE(std::abs(got - ref) / ref, 1e-9) << "sum_squares [" << name(dt) << "]";
   }
-  // The list form: one value per tensor, as sum_squares gives it.
+  // The list form: one value per tensor, as sum_squares gives it; more tensors than one launch
+  // takes, so the second batch's partials and sums land in their places too.
   std::vector<Tensor> cpu_list, gpu_list;
-  for (int64_t n : {1, 255, 256, 257, 100003, 3000000}) {
+  std::vector<int64_t> sizes = {1, 255, 256, 257, 100003, 3000000};
+  for (int64_t i = 0; i < 70; ++i) sizes.push_back(1 + 61 * i);
+  for (int64_t n : sizes) {
     const DType dt = n % 2 ? DType::BF16 : DType::F32;
     cpu_list.push_back(rounded(randn({n}, g), dt));
     gpu_list.push_back(gpu(cpu_list.back(), dt));

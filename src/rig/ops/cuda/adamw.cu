@@ -6,21 +6,28 @@ namespace rig::ops::cuda::k {
 
 namespace {
 
+// One element's update, every operation rounded on its own (no contracted multiply-adds), in the
+// CPU oracle's order: the single-tensor and the list kernels give the same bits for the same input.
+__device__ __forceinline__ float adamw_element(float p, float g, float& m, float& v, float decay,
+                                               float w1, float beta2, float w2, float bc2_sqrt,
+                                               float eps, float step_size) {
+  p = __fmul_rn(p, decay);
+  m = __fadd_rn(m, __fmul_rn(w1, __fsub_rn(g, m)));
+  v = __fadd_rn(__fmul_rn(v, beta2), __fmul_rn(__fmul_rn(w2, g), g));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
+  return __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(m, denom)));
+}
+
 template <typename P, typename G>
 __global__ void adamw_kernel(P* p, const G* g, float* m, float* v, int64_t n, float decay,
                              float w1, float beta2, float w2, float bc2_sqrt, float eps,
                              float step_size) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float gi = ld(g, i);
-    float pi = ld(p, i) * decay;
-    const float mi = m[i] + w1 * (gi - m[i]);
-    const float vi = v[i] * beta2 + w2 * gi * gi;
+    float mi = m[i], vi = v[i];
+    st(p, i, adamw_element(ld(p, i), ld(g, i), mi, vi, decay, w1, beta2, w2, bc2_sqrt, eps, step_size));
     m[i] = mi;
     v[i] = vi;
-    const float denom = sqrtf(vi) / bc2_sqrt + eps;
-    pi -= step_size * (mi / denom);
-    st(p, i, pi);
   }
 }
 
@@ -43,15 +50,13 @@ __device__ void adamw_chunk(const AdamWSlot& s, int64_t begin, int64_t end, floa
   const G* g = static_cast<const G*>(s.g);
   bf16* copy = static_cast<bf16*>(s.copy);
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    // A rounded product, not fused into what follows: the value a clipped gradient would hold.
+    // The gradient as an in-place clip would leave it: a rounded product.
     const float gi = __fmul_rn(ld(g, i), grad_scale);
-    float pi = ld(p, i) * s.decay;
-    const float mi = s.m[i] + w1 * (gi - s.m[i]);
-    const float vi = s.v[i] * beta2 + w2 * gi * gi;
+    float mi = s.m[i], vi = s.v[i];
+    const float pi = adamw_element(ld(p, i), gi, mi, vi, s.decay, w1, beta2, w2, bc2_sqrt, eps,
+                                   step_size);
     s.m[i] = mi;
     s.v[i] = vi;
-    const float denom = sqrtf(vi) / bc2_sqrt + eps;
-    pi -= step_size * (mi / denom);
     st(p, i, pi);
     if (copy) st(copy, i, pi);
   }

@@ -47,6 +47,43 @@ __global__ void sum_doubles_kernel(const double* partial, int n, double* out) {
   if (threadIdx.x == 0) *out = s;
 }
 
+struct SumSqBatch {
+  SumSqSlot slot[kSumSqSlotsPerLaunch];
+  int first_block[kSumSqSlotsPerLaunch + 1];
+  int count;
+};
+
+// sumsq_kernel and sum_doubles_kernel with the grid split among the batch's tensors.
+__device__ __forceinline__ int slot_of_block(const SumSqBatch& b) {
+  int j = 0;
+  while (j + 1 < b.count && b.first_block[j + 1] <= int(blockIdx.x)) ++j;
+  return j;
+}
+__global__ void sumsq_multi_kernel(const __grid_constant__ SumSqBatch b, double* partial) {
+  const int j = slot_of_block(b);
+  const SumSqSlot& t = b.slot[j];
+  const int64_t block = int(blockIdx.x) - b.first_block[j];
+  double s = 0;
+  RIG_K_DISPATCH(t.t, A, {
+    const A* a = static_cast<const A*>(t.a);
+    for (int64_t i = block * blockDim.x + threadIdx.x; i < t.n; i += int64_t(t.blocks) * blockDim.x) {
+      const double x = ld(a, i);
+      s += x * x;
+    }
+  });
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+__global__ void sum_doubles_multi_kernel(const __grid_constant__ SumSqBatch b,
+                                         const double* partial, double* sums) {
+  const int j = blockIdx.x;
+  const double* p = partial + b.first_block[j];
+  double s = 0;
+  for (int i = threadIdx.x; i < b.slot[j].blocks; i += blockDim.x) s += p[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) sums[j] = s;
+}
+
 // Counter-based randomness: the keep decision of element i depends only on (seed, i), so the
 // mask is the same for any launch shape and can be regenerated in backward.
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
@@ -95,6 +132,24 @@ cudaError_t scale(T ta, void* a, float sc, int64_t n, cudaStream_t s) {
 cudaError_t sum_squares_partial(T ta, const void* a, int64_t n, double* partial, int blocks,
                                 cudaStream_t s) {
   RIG_K_DISPATCH(ta, A, (sumsq_kernel<A><<<blocks, kThreads, 0, s>>>(static_cast<const A*>(a), n, partial)));
+  return cudaGetLastError();
+}
+
+cudaError_t sum_squares_multi(const SumSqSlot* slots, int count, double* partial, double* sums,
+                              cudaStream_t s) {
+  if (count <= 0 || count > kSumSqSlotsPerLaunch) return cudaErrorInvalidValue;
+  SumSqBatch b{};
+  b.count = count;
+  int blocks = 0;
+  for (int j = 0; j < count; ++j) {
+    if (slots[j].blocks < 1 || slots[j].blocks > 1024) return cudaErrorInvalidValue;
+    b.slot[j] = slots[j];
+    b.first_block[j] = blocks;
+    blocks += slots[j].blocks;
+  }
+  b.first_block[count] = blocks;
+  sumsq_multi_kernel<<<blocks, kThreads, 0, s>>>(b, partial);
+  sum_doubles_multi_kernel<<<count, 1024, 0, s>>>(b, partial, sums);
   return cudaGetLastError();
 }
 

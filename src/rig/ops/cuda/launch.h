@@ -29,6 +29,18 @@ cudaError_t cast(T tsrc, const void* src, T tdst, void* dst, int64_t n, cudaStre
 cudaError_t sum_squares_partial(T ta, const void* a, int64_t n, double* partial, int blocks,
                                 cudaStream_t s);
 cudaError_t sum_doubles(const double* partial, int n, double* out, cudaStream_t s);
+// The same for up to kSumSqSlotsPerLaunch tensors in two launches: slot j's partials follow slot
+// j-1's in `partial` (`blocks` each, <= 1024), and sums[j] receives its total; the values equal
+// sum_squares_partial + sum_doubles on each tensor alone.
+struct SumSqSlot {
+  const void* a;
+  int64_t n;
+  T t;
+  int blocks;
+};
+constexpr int kSumSqSlotsPerLaunch = 64;
+cudaError_t sum_squares_multi(const SumSqSlot* slots, int count, double* partial, double* sums,
+                              cudaStream_t s);
 cudaError_t dropout(T tx, const void* x, T to, void* out, float p, uint64_t seed, int64_t n,
                     cudaStream_t s);
 cudaError_t swiglu_fwd(T t, const void* g, const void* u, void* a, int64_t n, cudaStream_t s);

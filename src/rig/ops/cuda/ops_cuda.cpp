@@ -548,6 +548,7 @@ double sum_squares(const Tensor& a) {
 
 std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
   const char* op = "sum_squares_list";
+  if (ts.empty()) return {};
   const int dev = ts.front().device().index;
   const int64_t n = int64_t(ts.size());
   std::vector<int> blocks(ts.size());
@@ -562,13 +563,14 @@ std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
   Tensor scratch_t = scratch({total + n}, DType::F64, dev, "sum_squares_list partial sums");
   double* p = scratch_t.data<double>();
   double* sums = p + total;
+  std::vector<k::SumSqSlot> slots(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i)
+    slots[i] = {ts[i].raw(), ts[i].numel(), ktype(ts[i], op, "tensor"), blocks[i]};
   int64_t at = 0;
-  for (size_t i = 0; i < ts.size(); ++i) {
-    check_status(k::sum_squares_partial(ktype(ts[i], op, "tensor"), ts[i].raw(), ts[i].numel(),
-                                        p + at, blocks[i], stream_for(dev)),
-                 op);
-    check_status(k::sum_doubles(p + at, blocks[i], sums + i, stream_for(dev)), op);
-    at += blocks[i];
+  for (size_t i = 0; i < ts.size(); i += k::kSumSqSlotsPerLaunch) {
+    const int count = int(std::min<size_t>(k::kSumSqSlotsPerLaunch, ts.size() - i));
+    check_status(k::sum_squares_multi(slots.data() + i, count, p + at, sums + i, stream_for(dev)), op);
+    for (int j = 0; j < count; ++j) at += blocks[i + size_t(j)];
   }
   std::vector<double> out(ts.size());
   RIG_CUDA_CHECK(cudaMemcpyAsync(out.data(), sums, sizeof(double) * ts.size(),

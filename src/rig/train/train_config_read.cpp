@@ -1,9 +1,12 @@
 #include "rig/train/train_config_read.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <stdexcept>
 
 #include "rig/train/train_config.h"
+#include "rig/train/train_config_schema.h"
 
 namespace rig::config_read {
 
@@ -124,7 +127,11 @@ json yaml_to_json(const YAML::Node& n) {
 }
 
 std::optional<Item> MapReader::take(const std::string& key) {
-  known_.push_back(key);
+  // A key parsed but missing from the schema would be undocumented and never suggested.
+  const auto& known = config_keys_at(prefix_);
+  if (std::find(known.begin(), known.end(), key) == known.end())
+    throw std::logic_error(fmt::format("config key '{}{}{}' is parsed but not in the schema",
+                                       prefix_, prefix_.empty() ? "" : ".", key));
   if (!node_.IsMap()) return std::nullopt;
   for (auto kv : node_) {
     if (kv.first.Scalar() != key) continue;
@@ -150,7 +157,8 @@ void MapReader::finish() {
     it.line = kv.first.Mark().is_null() ? -1 : kv.first.Mark().line + 1;
     it.from_override = is_override(ctx_, it.path);
     std::vector<std::string> full;
-    for (const auto& k : known_) full.push_back(prefix_.empty() ? k : prefix_ + "." + k);
+    for (const auto& k : config_keys_at(prefix_))
+      full.push_back(prefix_.empty() ? k : prefix_ + "." + k);
     bad_input("{}: unknown key '{}'{}", where(ctx_, it), it.path, did_you_mean(it.path, full));
   }
 }

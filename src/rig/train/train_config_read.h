@@ -50,8 +50,8 @@ YAML::Node need_map(const Ctx& ctx, const Item& it);
 // Plain scalars become numbers, booleans or null when they read as such; quoted ones stay strings.
 nlohmann::json yaml_to_json(const YAML::Node& n);
 
-// Reads one mapping: take() each known key (present or not, so typos can be matched against all
-// of them), then finish() rejects whatever was not taken.
+// Reads one mapping: take() each key of the schema (train_config_schema.h) that it handles, then
+// finish() rejects whatever was not taken, suggesting the closest key the schema has there.
 class MapReader {
  public:
   MapReader(Ctx& ctx, YAML::Node node, std::string prefix)
@@ -63,7 +63,6 @@ class MapReader {
   Ctx& ctx_;
   YAML::Node node_;
   std::string prefix_;
-  std::vector<std::string> known_;
   std::set<std::string> used_;
 };
 

@@ -1,7 +1,8 @@
 // A training run's configuration: a YAML file plus `--set key=value` overrides, resolved into one
 // validated struct. Keys follow axolotl/torchtune names; axolotl's flat spellings (base_model,
-// lora_r, learning_rate, ...) are accepted as aliases. Every key is documented in
-// docs/config-reference.md.
+// lora_r, learning_rate, ...) are accepted as aliases. Every key, with its aliases, default and
+// documentation, is in the schema of train_config_schema.h, which docs/config-reference.md is
+// rendered from.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>

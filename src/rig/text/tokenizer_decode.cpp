@@ -1,5 +1,7 @@
-// Decoders: ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence.
+// Decoders: ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence; and
+// Tokenizer::decode, which feeds them the token strings of the ids.
 #include <algorithm>
+#include <cctype>
 
 #include "rig/text/tokenizer_internal.h"
 
@@ -168,5 +170,28 @@ std::vector<std::string> Decoder::apply(std::vector<std::string> toks) const {
 }
 
 }  // namespace tok
+
+std::string Tokenizer::decode(const std::vector<int32_t>& ids, const DecodeOptions& opt) const {
+  std::vector<std::string> toks;
+  toks.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    int32_t id = ids[i];
+    if (id < 0 || size_t(id) >= impl_->id_to_tok.size() || impl_->id_to_tok[size_t(id)].empty())
+      bad_input("decode: id {} at position {} is not in the vocabulary (size {})", id, i,
+                vocab_size());
+    if (opt.skip_special && impl_->is_special[size_t(id)]) continue;
+    toks.push_back(impl_->id_to_tok[size_t(id)]);
+  }
+  if (!impl_->decoder.empty())
+    toks = impl_->decoder[0].apply(std::move(toks));
+  else {
+    std::string joined;
+    for (size_t i = 0; i < toks.size(); ++i) joined += (i ? " " : "") + toks[i];
+    return joined;
+  }
+  std::string r;
+  for (auto& t : toks) r += t;
+  return r;
+}
 
 }  // namespace rig

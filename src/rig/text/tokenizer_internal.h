@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -105,6 +106,14 @@ std::string replace_pattern(std::string_view s, const Pattern& p, const std::str
 std::string jstr(const json& j, const char* key, const std::string& where);
 bool jbool(const json& j, const char* key, bool dflt);
 
+// Reads token ids whole and refuses ids far beyond the number of tokens: ids index a table as
+// large as the largest one (get<int32_t> would wrap a large one silently).
+struct IdReader {
+  int64_t limit;
+  size_t vocab_size;
+  int32_t operator()(const json& v, const std::string& where) const;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Normalizer (tokenizer_normalizer.cpp)
 
@@ -148,6 +157,77 @@ struct PreTokenizer {
 };
 
 // ---------------------------------------------------------------------------------------------
+// BPE model (tokenizer_bpe.cpp)
+
+// Word cache: the final ids of each piece, per thread or per encode_batch worker.
+struct BpeCache {
+  uint64_t owner = 0;
+  StrMap<std::vector<int32_t>> map;
+};
+
+struct BpeModel {
+  StrMap<int32_t> vocab;
+  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a,b) -> (rank, new id)
+  bool ignore_merges = false, byte_fallback = false, fuse_unk = false;
+  int32_t unk_id = -1;
+  int32_t byte_fallback_ids[256];
+  std::string cont_prefix, word_suffix;
+  bool byte_level = false;
+  int32_t byte_ids[256];  // byte-level: vocab id of each byte's character
+
+  static uint64_t pair_key(int32_t a, int32_t b) {
+    return (uint64_t(uint32_t(a)) << 32) | uint32_t(b);
+  }
+
+  // Reads model.vocab; max_id grows to the largest id seen.
+  void load_vocab(const json& vocab, const std::string& name, const IdReader& id_of,
+                  int32_t& max_id);
+  // Reads model.merges and the options after the vocabulary is known.
+  void load_merges(const json& m, const std::string& name);
+  void load_options(const json& m, const std::string& name);
+  // Switches to byte-level input (the pre-tokenizer ends in ByteLevel).
+  void set_byte_level(const std::string& name);
+
+  // Appends the ids of one pre-tokenized piece.
+  void encode_piece(std::string_view piece, std::vector<int32_t>& out, BpeCache& cache) const;
+  // HF BPE::merge_word + Word::merge_all.
+  void bpe_word(std::string_view w, std::vector<int32_t>& out) const;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Added tokens (tokenizer_added.cpp)
+
+struct AddedMatch {
+  size_t b, e;
+  int32_t id;
+};
+
+struct AddedVocab {
+  std::vector<AddedToken> tokens;
+  std::vector<const AddedToken*> by_first_byte[256];  // longest first; points into tokens
+  bool has_normalized = false;
+
+  // Reads added_tokens; max_id grows to the largest id seen.
+  void load(const json& list, const std::string& name, const IdReader& id_of, int32_t& max_id);
+  // Builds the search index once tokens is final.
+  void index();
+  // Leftmost-longest search for added tokens; normalized_set selects which set.
+  std::vector<AddedMatch> find(std::string_view s, bool normalized_set, bool special) const;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Post-processor (tokenizer_postprocess.cpp): single-sequence template ids, or the unsupported
+// type's name (an error only when add_special asks for it).
+
+struct PostProcessor {
+  std::vector<int32_t> prefix, suffix;
+  std::string unsupported;
+
+  void parse(const json& j, const std::string& path);
+  void apply(std::vector<int32_t>& ids, const std::string& path) const;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Decoder (tokenizer_decode.cpp): maps a list of token strings to a list of strings (HF
 // decode_chain).
 
@@ -165,3 +245,41 @@ struct Decoder {
 };
 
 }  // namespace rig::tok
+
+namespace rig {
+
+// The loaded pipeline (tokenizer.cpp loads and encodes, tokenizer_decode.cpp decodes).
+struct Tokenizer::Impl {
+  std::string path;
+  uint64_t serial = 0;
+  tok::BpeModel model;
+  std::vector<std::string> id_to_tok;  // model and added tokens
+  std::vector<bool> is_special;        // by id
+  tok::AddedVocab added;
+  std::vector<tok::Normalizer> normalizer;  // zero or one
+  std::vector<tok::PreTokenizer> pre;       // zero or one
+  std::vector<tok::Decoder> decoder;        // zero or one
+  tok::PostProcessor post;
+  const tok::Regex* fast_split = nullptr;  // set when the pre-tokenizer is the Llama 3/Qwen shape
+
+  // Word caches for encode_batch workers, kept across calls so each batch starts warm.
+  mutable std::mutex pool_mu;
+  mutable std::vector<std::unique_ptr<tok::BpeCache>> cache_pool;
+
+  // Loading, in the order that decides which error a file with several gets.
+  void load(const tok::json& j);
+  void index_ids(int32_t max_id);
+  void load_pipeline(const tok::json& j);
+
+  std::unique_ptr<tok::BpeCache> take_cache() const;
+  void give_cache(std::unique_ptr<tok::BpeCache> c) const;
+  tok::BpeCache& thread_cache() const;
+
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt) const;
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt,
+                              tok::BpeCache& cache) const;
+  void encode_text(std::string_view seg, bool first, bool special, std::vector<int32_t>& out,
+                   tok::BpeCache& cache) const;
+};
+
+}  // namespace rig

@@ -2,6 +2,7 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "rig/text/tokenizer_internal.h"
 

@@ -197,5 +197,17 @@ bool jbool(const json& j, const char* key, bool dflt) {
   return j.contains(key) && j[key].is_boolean() ? j[key].get<bool>() : dflt;
 }
 
+int32_t IdReader::operator()(const json& v, const std::string& where) const {
+  if (!v.is_number_integer()) bad_input("{}: expected an integer id, got {}", where, v.dump());
+  const int64_t id = v.get<int64_t>();
+  if (id < 0) bad_input("{}: negative id {}", where, id);
+  if (id >= limit)
+    bad_input(
+        "{}: id {} is far beyond the {} tokens of this file (ids of a vocabulary are "
+        "0, 1, 2, ...)",
+        where, id, vocab_size);
+  return int32_t(id);
+}
+
 }  // namespace tok
 }  // namespace rig

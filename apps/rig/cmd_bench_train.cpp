@@ -130,7 +130,8 @@ int run(const Opts& o) {
       ms += s.end_ms - s.start_ms;
       ++calls;
     }
-    for (const auto& [op, v] : per_op) breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
+    for (const auto& [op, v] : per_op)
+      breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
     breakdown["step_ms"] = p.wall_ms;
     breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
     if (!o.trace.empty()) rig::write_file_atomic(o.trace, p.chrome_trace());

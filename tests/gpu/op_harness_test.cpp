@@ -836,9 +836,13 @@ TEST(OpHarness, AdamWList) {
         for (int64_t j = 0; j < n; ++j) c.v.f32()[j] *= c.v.f32()[j];
         c.weight_decay = i % 3 == 0 ? 0.0f : 0.1f;
         if (i % 2 == 0) c.copy = Tensor::empty({n}, DType::BF16);
-        ops::AdamWSlot d{gpu(c.param, pt), gpu(c.grad, gt), gpu(c.m), gpu(c.v),
-                         c.copy.defined() ? Tensor::empty({n}, DType::BF16, Device::cuda(0)) : Tensor(),
-                         c.weight_decay};
+        ops::AdamWSlot d{
+            gpu(c.param, pt),
+            gpu(c.grad, gt),
+            gpu(c.m),
+            gpu(c.v),
+            c.copy.defined() ? Tensor::empty({n}, DType::BF16, Device::cuda(0)) : Tensor(),
+            c.weight_decay};
         gp_ref.push_back(gpu(c.param, pt));
         gm_ref.push_back(gpu(c.m));
         gv_ref.push_back(gpu(c.v));

@@ -77,8 +77,12 @@ TEST(AdamWList, EqualsClipThenOneStepPerTensor) {
 }
 
 TEST(AdamWList, RejectsMismatchedSlots) {
-  ops::AdamWSlot s{Tensor::zeros({8}, DType::F32), Tensor::zeros({7}, DType::F32),
-                   Tensor::zeros({8}, DType::F32), Tensor::zeros({8}, DType::F32), Tensor(), 0.0f};
+  ops::AdamWSlot s{Tensor::zeros({8}, DType::F32),
+                   Tensor::zeros({7}, DType::F32),
+                   Tensor::zeros({8}, DType::F32),
+                   Tensor::zeros({8}, DType::F32),
+                   Tensor(),
+                   0.0f};
   std::vector<ops::AdamWSlot> slots{s};
   EXPECT_THROW(ops::adamw_step_list(slots, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1}, 1.0f), Error);
 }

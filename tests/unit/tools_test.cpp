@@ -1,6 +1,7 @@
 // rig generate / eval / merge through the CLI.
-#include <nlohmann/json.hpp>
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 
 #include "rig/io/safetensors.h"
 #include "rig/model/llama.h"
@@ -82,7 +83,8 @@ TEST(Tools, BenchTrainRejectsSizesBelowOne) {
 TEST(Tools, BenchTrainProfileBreaksTheStepDownPerOp) {
   // The per-op table that bench/op_table.py reads: every recorded op with its time and calls.
   auto r = test::run_rig(
-      "bench train --hidden 32 --layers 2 --heads 2 --kv-heads 1 --intermediate 64 --vocab 64 --batch 1 "
+      "bench train --hidden 32 --layers 2 --heads 2 --kv-heads 1 --intermediate 64 --vocab 64 "
+      "--batch 1 "
       "--seq 8 --steps 1 --json --profile");
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));

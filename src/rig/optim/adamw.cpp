@@ -27,7 +27,8 @@ double AdamW::clip_and_step(std::vector<Param>& params, float lr) {
 
 double AdamW::clip_and_step(std::vector<Param>& params, float lr, double norm) {
   float coef = 1.0f;  // as clip_grad_norm_: gradients scaled only when the norm is above the limit
-  if (cfg_.max_grad_norm > 0) coef = std::min(1.0f, float(cfg_.max_grad_norm / (float(norm) + 1e-6f)));
+  if (cfg_.max_grad_norm > 0)
+    coef = std::min(1.0f, float(cfg_.max_grad_norm / (float(norm) + 1e-6f)));
   ++step_;
   const ops::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_};
   // Float32 moments: one pass over all of them that also applies the clip and writes the compute

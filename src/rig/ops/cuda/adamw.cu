@@ -25,7 +25,8 @@ __global__ void adamw_kernel(P* p, const G* g, float* m, float* v, int64_t n, fl
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     float mi = m[i], vi = v[i];
-    st(p, i, adamw_element(ld(p, i), ld(g, i), mi, vi, decay, w1, beta2, w2, bc2_sqrt, eps, step_size));
+    st(p, i,
+       adamw_element(ld(p, i), ld(g, i), mi, vi, decay, w1, beta2, w2, bc2_sqrt, eps, step_size));
     m[i] = mi;
     v[i] = vi;
   }
@@ -53,8 +54,8 @@ __device__ void adamw_chunk(const AdamWSlot& s, int64_t begin, int64_t end, floa
     // The gradient as an in-place clip would leave it: a rounded product.
     const float gi = __fmul_rn(ld(g, i), grad_scale);
     float mi = s.m[i], vi = s.v[i];
-    const float pi = adamw_element(ld(p, i), gi, mi, vi, s.decay, w1, beta2, w2, bc2_sqrt, eps,
-                                   step_size);
+    const float pi =
+        adamw_element(ld(p, i), gi, mi, vi, s.decay, w1, beta2, w2, bc2_sqrt, eps, step_size);
     s.m[i] = mi;
     s.v[i] = vi;
     st(p, i, pi);
@@ -63,8 +64,8 @@ __device__ void adamw_chunk(const AdamWSlot& s, int64_t begin, int64_t end, floa
 }
 
 __global__ void __launch_bounds__(kThreads)
-    adamw_list_kernel(const __grid_constant__ AdamWBatch b, float grad_scale, float w1,
-                      float beta2, float w2, float bc2_sqrt, float eps, float step_size) {
+    adamw_list_kernel(const __grid_constant__ AdamWBatch b, float grad_scale, float w1, float beta2,
+                      float w2, float bc2_sqrt, float eps, float step_size) {
   int j = 0;
   while (j + 1 < b.count && b.first_block[j + 1] <= int(blockIdx.x)) ++j;
   const AdamWSlot& s = b.slot[j];

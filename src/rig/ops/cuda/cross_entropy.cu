@@ -12,7 +12,6 @@ template <typename E>
 struct Quad;
 template <>
 struct Quad<float> {
-  using V = float4;
   static __device__ __forceinline__ void load(const float* p, float (&o)[4]) {
     const float4 r = *reinterpret_cast<const float4*>(p);
     o[0] = r.x, o[1] = r.y, o[2] = r.z, o[3] = r.w;
@@ -140,18 +139,16 @@ cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64
   const bool quad = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(dlogits) % 16 == 0;
   if (rows > 0)
-    RIG_K_DISPATCH(
-        t, E,
-        RIG_K_DISPATCH(td, G, {
-          auto* x = static_cast<const E*>(logits);
-          auto* dx = static_cast<G*>(dlogits);
-          if (quad)
-            ce_row_kernel<E, G, true><<<unsigned(rows), ce_threads(V), 0, s>>>(
-                x, targets, V, grad_scale, dx, row_loss);
-          else
-            ce_row_kernel<E, G, false><<<unsigned(rows), ce_threads(V), 0, s>>>(
-                x, targets, V, grad_scale, dx, row_loss);
-        }));
+    RIG_K_DISPATCH(t, E, RIG_K_DISPATCH(td, G, {
+                     auto* x = static_cast<const E*>(logits);
+                     auto* dx = static_cast<G*>(dlogits);
+                     if (quad)
+                       ce_row_kernel<E, G, true><<<unsigned(rows), ce_threads(V), 0, s>>>(
+                           x, targets, V, grad_scale, dx, row_loss);
+                     else
+                       ce_row_kernel<E, G, false><<<unsigned(rows), ce_threads(V), 0, s>>>(
+                           x, targets, V, grad_scale, dx, row_loss);
+                   }));
   ce_finish_kernel<<<1, 1024, 0, s>>>(row_loss, targets, rows, V, out);
   return cudaGetLastError();
 }

@@ -66,7 +66,8 @@ __global__ void sumsq_multi_kernel(const __grid_constant__ SumSqBatch b, double*
   double s = 0;
   RIG_K_DISPATCH(t.t, A, {
     const A* a = static_cast<const A*>(t.a);
-    for (int64_t i = block * blockDim.x + threadIdx.x; i < t.n; i += int64_t(t.blocks) * blockDim.x) {
+    for (int64_t i = block * blockDim.x + threadIdx.x; i < t.n;
+         i += int64_t(t.blocks) * blockDim.x) {
       const double x = ld(a, i);
       s += x * x;
     }

@@ -569,7 +569,8 @@ std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
   int64_t at = 0;
   for (size_t i = 0; i < ts.size(); i += k::kSumSqSlotsPerLaunch) {
     const int count = int(std::min<size_t>(k::kSumSqSlotsPerLaunch, ts.size() - i));
-    check_status(k::sum_squares_multi(slots.data() + i, count, p + at, sums + i, stream_for(dev)), op);
+    check_status(k::sum_squares_multi(slots.data() + i, count, p + at, sums + i, stream_for(dev)),
+                 op);
     for (int j = 0; j < count; ++j) at += blocks[i + size_t(j)];
   }
   std::vector<double> out(ts.size());

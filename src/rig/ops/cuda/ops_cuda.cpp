@@ -607,9 +607,21 @@ void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
 
 // ---- AdamW --------------------------------------------------------------------------------
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
-  const char* op = "adamw_step";
-  const int dev = param.device().index;
+namespace {
+// Bias-corrected step size and sqrt of the second-moment correction, exactly as the CPU oracle
+// computes them.
+struct AdamWScalars {
+  float step_size, bc2_sqrt;
+};
+AdamWScalars adamw_scalars(const AdamWParams& h, const char* op) {
+  RIG_CHECK(h.step >= 1, "{}: step {} (counts from 1)", op, h.step);
+  const double bc1 = 1.0 - std::pow(double(h.beta1), double(h.step));
+  const double bc2 = 1.0 - std::pow(double(h.beta2), double(h.step));
+  return {float(double(h.lr) / bc1), float(std::sqrt(bc2))};
+}
+// grad, m and v on the parameter's device with its element count; m and v float32.
+void check_adamw_operands(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                          int dev, const char* op) {
   for (auto [t, n] : {std::pair{&grad, "grad"}, {&m, "m"}, {&v, "v"}}) {
     check_on(*t, dev, op, n);
     RIG_CHECK(t->numel() == param.numel(), "{}: {} {} for param {}", op, n, shape_str(t->shape()),
@@ -617,35 +629,31 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   }
   check_dtype(m, DType::F32, op, "m");
   check_dtype(v, DType::F32, op, "v");
-  RIG_CHECK(h.step >= 1, "{}: step {} (counts from 1)", op, h.step);
-  // The scalars exactly as the CPU oracle computes them.
-  const double bc1 = 1.0 - std::pow(double(h.beta1), double(h.step));
-  const double bc2 = 1.0 - std::pow(double(h.beta2), double(h.step));
-  const float step_size = float(double(h.lr) / bc1);
-  const float bc2_sqrt = float(std::sqrt(bc2));
+}
+}  // namespace
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
+  const char* op = "adamw_step";
+  const int dev = param.device().index;
+  check_adamw_operands(param, grad, m, v, dev, op);
+  const AdamWScalars a = adamw_scalars(h, op);
   const float decay = 1.0f - h.lr * h.weight_decay;
   DeviceGuard g(dev);
   check_status(k::adamw(ktype(param, op, "param"), param.raw(), ktype(grad, op, "grad"), grad.raw(),
                         m.f32(), v.f32(), param.numel(), decay, 1.0f - h.beta1, h.beta2,
-                        1.0f - h.beta2, bc2_sqrt, h.eps, step_size, stream_for(dev)),
+                        1.0f - h.beta2, a.bc2_sqrt, h.eps, a.step_size, stream_for(dev)),
                op);
 }
 
 void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale) {
   const char* op = "adamw_step_list";
   const int dev = slots.front().param.device().index;
-  RIG_CHECK(h.step >= 1, "{}: step {} (counts from 1)", op, h.step);
+  const AdamWScalars a = adamw_scalars(h, op);
   std::vector<k::AdamWSlot> ks;
   ks.reserve(slots.size());
   for (auto& s : slots) {
     check_on(s.param, dev, op, "param");
-    for (auto [t, n] : {std::pair{&s.grad, "grad"}, {&s.m, "m"}, {&s.v, "v"}}) {
-      check_on(*t, dev, op, n);
-      RIG_CHECK(t->numel() == s.param.numel(), "{}: {} {} for param {}", op, n,
-                shape_str(t->shape()), shape_str(s.param.shape()));
-    }
-    check_dtype(s.m, DType::F32, op, "m");
-    check_dtype(s.v, DType::F32, op, "v");
+    check_adamw_operands(s.param, s.grad, s.m, s.v, dev, op);
     if (s.copy.defined()) {
       check_on(s.copy, dev, op, "copy");
       check_dtype(s.copy, DType::BF16, op, "copy");
@@ -657,16 +665,11 @@ void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float 
                               1.0f - h.lr * s.weight_decay, ktype(s.param, op, "param"),
                               ktype(s.grad, op, "grad")});
   }
-  // The scalars exactly as adamw_step (and the CPU oracle) computes them.
-  const double bc1 = 1.0 - std::pow(double(h.beta1), double(h.step));
-  const double bc2 = 1.0 - std::pow(double(h.beta2), double(h.step));
-  const float step_size = float(double(h.lr) / bc1);
-  const float bc2_sqrt = float(std::sqrt(bc2));
   DeviceGuard g(dev);
   for (size_t at = 0; at < ks.size(); at += k::kAdamWSlotsPerLaunch) {
     const int count = int(std::min<size_t>(k::kAdamWSlotsPerLaunch, ks.size() - at));
     check_status(k::adamw_list(ks.data() + at, count, grad_scale, 1.0f - h.beta1, h.beta2,
-                               1.0f - h.beta2, bc2_sqrt, h.eps, step_size, stream_for(dev)),
+                               1.0f - h.beta2, a.bc2_sqrt, h.eps, a.step_size, stream_for(dev)),
                  op);
   }
 }

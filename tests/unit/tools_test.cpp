@@ -58,16 +58,22 @@ TEST(Tools, BenchTrainRejectsSizesBelowOne) {
   // No timed steps would divide 0 tokens by 0 seconds; a negative size would reach the tensor
   // allocator. Both are one line naming the flag, and a non-zero exit.
   const std::vector<std::pair<std::string, std::string>> tiny = {
-      {"--hidden", "32"},  {"--layers", "1"},        {"--heads", "2"},
-      {"--kv-heads", "1"}, {"--intermediate", "64"}, {"--vocab", "64"},
-      {"--batch", "1"},    {"--seq", "8"},           {"--steps", "1"}};
+      {"--hidden", "32"},       {"--layers", "1"},
+      {"--heads", "2"},         {"--kv-heads", "1"},
+      {"--intermediate", "64"}, {"--vocab", "64"},
+      {"--batch", "1"},         {"--seq", "8"},
+      {"--steps", "1"},         {"--loss-chunk-rows", "1024"}};
   auto args = [&](const std::string& flag, const std::string& value) {
     std::string a = "bench train";
     for (const auto& [f, v] : tiny) a += " " + f + " " + (f == flag ? value : v);
     return a;
   };
-  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
-           {"--steps", "0"}, {"--seq", "-5"}, {"--batch", "0"}, {"--layers", "0"}}) {
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--steps", "0"},
+                                                        {"--seq", "-5"},
+                                                        {"--batch", "0"},
+                                                        {"--layers", "0"},
+                                                        {"--loss-chunk-rows", "0"}}) {
     auto r = test::run_rig(args(flag, value));
     EXPECT_NE(r.code, 0) << flag << ": " << r.out;
     EXPECT_NE(r.out.find("rig: " + flag + " must be at least 1, found " + value), std::string::npos)

@@ -39,8 +39,10 @@ void set_attention_impl(const std::string& impl);
 const std::string& attention_impl();
 // The implementation the last attention_forward (backward = false) or _backward call ran.
 const std::string& last_attention_impl(bool backward);
-// Bitwise-repeatable kernels where a faster nondeterministic one exists (cuDNN's backward).
+// Bitwise-repeatable kernels where a faster nondeterministic one exists (cuDNN's backward), and
+// the same cuBLASLt algorithm in every process (no autotuning by timing).
 void set_deterministic(bool on);
+bool deterministic();
 void add_bias(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);

@@ -2,8 +2,8 @@
 #include <chrono>
 #include <cmath>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "command.h"

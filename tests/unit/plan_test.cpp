@@ -109,7 +109,8 @@ TEST(PlanMemory, FullFineTuneTermsByHand) {
   s.checkpointing = Checkpointing::selective;
   auto sel = estimate_memory(m, s);
   EXPECT_DOUBLE_EQ(sel.per_layer.saved_selective, layer - BT * 2 * (2 * h + f));
-  // Loss chunk: the engine's default rows (here more than BT) of bf16 logits, the gradient in place.
+  // Loss chunk: the engine's default rows (here more than BT) of bf16 logits, the gradient in
+  // place.
   ASSERT_GT(rig::loss_chunk_rows_for(int64_t(V), 2), int64_t(BT));
   EXPECT_DOUBLE_EQ(e.logits, BT * V * 2);
   s.loss_chunk_tokens = 16;

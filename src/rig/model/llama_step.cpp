@@ -315,7 +315,9 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
     if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
     Tensor tg = targets.slice_rows(r0, r1);
-    Tensor dl = !opt.backward ? Tensor() : logit_dt == act_ ? logits : act(logits.shape(), "d logits");
+    Tensor dl = !opt.backward      ? Tensor()
+                : logit_dt == act_ ? logits
+                                   : act(logits.shape(), "d logits");
     res.loss_sum +=
         ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
     if (!opt.backward) continue;

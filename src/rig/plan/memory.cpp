@@ -169,8 +169,8 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   }
   e.activations = saved + final_block;
   e.layer_peak = la.backward_work + recompute;
-  const int64_t rows = s.loss_chunk_tokens > 0 ? s.loss_chunk_tokens
-                                                : loss_chunk_rows_for(m.vocab_size, int64_t(a));
+  const int64_t rows =
+      s.loss_chunk_tokens > 0 ? s.loss_chunk_tokens : loss_chunk_rows_for(m.vocab_size, int64_t(a));
   e.logits = std::min(double(rows), BT) * double(m.vocab_size) * a;
 
   if (s.world_size > 1) {

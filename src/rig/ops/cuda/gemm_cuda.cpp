@@ -223,9 +223,9 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
     if (found > 1) {
       // Time each candidate and keep the fastest. With beta = 0, C's contents are about to be
       // replaced, so the candidates write there; otherwise C is read and they write a scratch.
-      Tensor scratch_d = beta == 0.0f ? c
-                                      : Tensor::empty(c.shape(), c.dtype(), c.device(),
-                                                      "gemm autotune output");
+      Tensor scratch_d =
+          beta == 0.0f ? c
+                       : Tensor::empty(c.shape(), c.dtype(), c.device(), "gemm autotune output");
       cudaEvent_t e0, e1;
       RIG_CUDA_CHECK(cudaEventCreate(&e0));
       RIG_CUDA_CHECK(cudaEventCreate(&e1));
@@ -252,7 +252,8 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
           if (best[size_t(i)] < 0 || ms < best[size_t(i)]) best[size_t(i)] = ms;
         }
       for (int i = 0; i < found; ++i)
-        if (best[size_t(i)] >= 0 && (best[size_t(pick)] < 0 || best[size_t(i)] < best[size_t(pick)]))
+        if (best[size_t(i)] >= 0 &&
+            (best[size_t(pick)] < 0 || best[size_t(i)] < best[size_t(pick)]))
           pick = i;
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);

@@ -70,14 +70,15 @@ cudaError_t rope(T tx, void* x, const int64_t* pos, int64_t rows, int heads, int
   if (total == 0) return cudaSuccess;
   const int64_t half = head_dim / 2, tab_bytes = ttab == T::F32 ? 4 : 2;
   if (half % 8 == 0 && total / 8 < (int64_t(1) << 31) &&
-      is_vec_ok(half, int(tab_bytes), {cos, sin}) &&
-      is_vec_ok(half, tx == T::F32 ? 4 : 2, {x})) {
+      is_vec_ok(half, int(tab_bytes), {cos, sin}) && is_vec_ok(half, tx == T::F32 ? 4 : 2, {x})) {
     const int64_t units = total / 8;
-    RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(ttab, Tab, (rope_vec_kernel<X, Tab><<<grid_for(units, 256), 256, 0, s>>>(
-                                                         static_cast<X*>(x), pos, uint32_t(units), uint32_t(heads),
-                                                         uint32_t(half), static_cast<const Tab*>(cos),
-                                                         static_cast<const Tab*>(sin), positions,
-                                                         backward ? -1.0f : 1.0f, err))));
+    RIG_K_DISPATCH(tx, X,
+                   RIG_K_DISPATCH(ttab, Tab,
+                                  (rope_vec_kernel<X, Tab><<<grid_for(units, 256), 256, 0, s>>>(
+                                      static_cast<X*>(x), pos, uint32_t(units), uint32_t(heads),
+                                      uint32_t(half), static_cast<const Tab*>(cos),
+                                      static_cast<const Tab*>(sin), positions,
+                                      backward ? -1.0f : 1.0f, err))));
     return cudaGetLastError();
   }
   RIG_K_DISPATCH(tx, X, RIG_K_DISPATCH(ttab, Tab, (rope_kernel<X, Tab><<<grid_for(total, 256), 256, 0, s>>>(

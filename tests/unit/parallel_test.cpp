@@ -422,8 +422,8 @@ TrainConfig tiny8(const std::string& out, const std::string& method, int world, 
 // the middle between two 8-bit codes then rounds to the other one, and that element's later
 // updates differ by up to the code's relative gap (a few %) of a step (lr 1e-2). data-parallel
 // 8-bit runs show the same (measured with the same tiny runs: 2 ranks identical to sharded's,
-// 4 ranks 4e-4 and 19 elements). So: the losses as for float32, and a few elements per ten
-// thousand moved (2 -> 4 -> 1 ranks: 159 of 214336), each by at most a quarter of a step.
+// 4 ranks 4e-4 and 19 elements). So: the losses as for float32, and at most 2 weights in 1000
+// moved (2 -> 4 -> 1 ranks: 159 of 214336), each by at most a quarter of a step.
 void expect_close_8bit(const RunDiff& d, const std::string& what) {
   EXPECT_LE(d.loss_rel, 1e-5) << what;
   EXPECT_LE(d.weight_abs, 2.5e-3) << what << ": " << d.where;

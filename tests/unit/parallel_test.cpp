@@ -12,9 +12,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -517,10 +517,11 @@ TEST(Parallel, Sharded8BitAdamWStepsEqualOneRankBitForBit) {
             << one_bytes;
       }
       EXPECT_GE(total, one_bytes);
-      std::printf("[ 8-bit  ] min_8bit_size %lld, %d ranks: state %zu bytes on one rank, %zu..%zu "
-                  "per rank\n",
-                  (long long)min8, world, one_bytes, *std::min_element(held.begin(), held.end()),
-                  *std::max_element(held.begin(), held.end()));
+      std::printf(
+          "[ 8-bit  ] min_8bit_size %lld, %d ranks: state %zu bytes on one rank, %zu..%zu "
+          "per rank\n",
+          (long long)min8, world, one_bytes, *std::min_element(held.begin(), held.end()),
+          *std::max_element(held.begin(), held.end()));
     }
   }
 }
@@ -534,10 +535,11 @@ TEST(Parallel, Sharded8BitAdamWTwoAndFourRanksMatchOneRank) {
       const std::string out = base + fmt::format("/{}{}", method, world);
       train_ranks(world, [&](int) { return tiny8(out, method, world, steps); });
       const RunDiff d = diff_runs(base + "/" + method + "1", out, method, size_t(steps));
-      std::printf("[ 8-bit  ] %s, %d ranks: losses within %.3g (relative), weights within %.3g "
-                  "(%lld of %lld beyond 1e-5): %s\n",
-                  method.c_str(), world, d.loss_rel, d.weight_abs, (long long)d.moved,
-                  (long long)d.total, d.where.c_str());
+      std::printf(
+          "[ 8-bit  ] %s, %d ranks: losses within %.3g (relative), weights within %.3g "
+          "(%lld of %lld beyond 1e-5): %s\n",
+          method.c_str(), world, d.loss_rel, d.weight_abs, (long long)d.moved, (long long)d.total,
+          d.where.c_str());
       expect_close_8bit(d, fmt::format("{} on {} ranks", method, world));
     }
   }
@@ -557,7 +559,8 @@ TEST(Parallel, Sharded8BitCheckpointResumesOnOtherWorldSizes) {
   };
   // 2 ranks stop after 2 steps, 4 ranks continue to 4, one process finishes.
   const std::string run = base + "/run";
-  train_ranks(2, [&](int) { return tiny8(run, "full", 2, steps); }, stop_after(2));
+  train_ranks(
+      2, [&](int) { return tiny8(run, "full", 2, steps); }, stop_after(2));
   auto ck = latest_checkpoint(run);
   ASSERT_TRUE(ck);
   EXPECT_EQ(ck->step, 2);
@@ -566,15 +569,17 @@ TEST(Parallel, Sharded8BitCheckpointResumesOnOtherWorldSizes) {
   EXPECT_TRUE(f.has("adamw8bit.mq.layer.0.decay"));
   EXPECT_TRUE(f.has("adamw.m.layer.0.decay")) << "k_proj and v_proj keep float32 moments";
   EXPECT_EQ(load_checkpoint(ck->dir).state["sharded"]["units"][0].value("align", 0), 256);
-  train_ranks(4, [&](int) { return tiny8(run, "full", 4, steps); }, stop_after(2));
+  train_ranks(
+      4, [&](int) { return tiny8(run, "full", 4, steps); }, stop_after(2));
   EXPECT_EQ(latest_checkpoint(run)->step, 4);
   EXPECT_TRUE(fs::exists(latest_checkpoint(run)->dir + "/shard-3-of-4.safetensors"));
   auto r1 = train_one(tiny8(run, "full", 1, steps));
   EXPECT_EQ(r1.steps, steps);
   RunDiff d = diff_runs(base + "/ref", run, "full", size_t(steps));
-  std::printf("[ 8-bit  ] resumed 2 -> 4 -> 1 ranks: losses within %.3g, weights within %.3g (%lld "
-              "of %lld beyond 1e-5)\n",
-              d.loss_rel, d.weight_abs, (long long)d.moved, (long long)d.total);
+  std::printf(
+      "[ 8-bit  ] resumed 2 -> 4 -> 1 ranks: losses within %.3g, weights within %.3g (%lld "
+      "of %lld beyond 1e-5)\n",
+      d.loss_rel, d.weight_abs, (long long)d.moved, (long long)d.total);
   expect_close_8bit(d, "2 -> 4 -> 1 ranks");
 
   // A one-process checkpoint (named per-tensor 8-bit state) resumed sharded on 2 ranks.
@@ -584,9 +589,10 @@ TEST(Parallel, Sharded8BitCheckpointResumesOnOtherWorldSizes) {
   train_ranks(2, [&](int) { return tiny8(run2, "lora", 2, steps); });
   train_one(tiny8(base + "/ref_lora", "lora", 1, steps));
   d = diff_runs(base + "/ref_lora", run2, "lora", size_t(steps));
-  std::printf("[ 8-bit  ] resumed 1 -> 2 ranks (LoRA): losses within %.3g, weights within %.3g (%lld "
-              "of %lld beyond 1e-5)\n",
-              d.loss_rel, d.weight_abs, (long long)d.moved, (long long)d.total);
+  std::printf(
+      "[ 8-bit  ] resumed 1 -> 2 ranks (LoRA): losses within %.3g, weights within %.3g (%lld "
+      "of %lld beyond 1e-5)\n",
+      d.loss_rel, d.weight_abs, (long long)d.moved, (long long)d.total);
   expect_close_8bit(d, "1 -> 2 ranks");
 }
 
@@ -601,8 +607,9 @@ TEST(Parallel, Sharded8BitGuardSkipsANanStepAndRollsBackAFlippedShard) {
     return more;
   };
   train_ranks(2, [&](int) { return tiny8(base + "/ref", "full", 2, steps, guard); });
-  auto nan = train_ranks(
-      2, [&](int) { return tiny8(base + "/nan", "full", 2, steps, with({"inject=[nan-grad@3]"})); });
+  auto nan = train_ranks(2, [&](int) {
+    return tiny8(base + "/nan", "full", 2, steps, with({"inject=[nan-grad@3]"}));
+  });
   EXPECT_EQ(nan[0].skipped_steps, 1);
   EXPECT_EQ(nan[0].rollbacks, 0) << read_file(base + "/nan/train.log");
   auto flip = train_ranks(2, [&](int) {

@@ -45,12 +45,13 @@ void AdamW::set_pieces(const std::string& param, int64_t numel, std::vector<Piec
   auto s = std::make_shared<Pieced>();
   s->numel = numel;
   for (const Piece& pc : pieces) {
-    RIG_CHECK(pc.begin >= 0 && pc.begin <= pc.end && pc.end <= numel && pc.end - pc.begin <= pc.tensor_numel,
+    RIG_CHECK(pc.begin >= 0 && pc.begin <= pc.end && pc.end <= numel &&
+                  pc.end - pc.begin <= pc.tensor_numel,
               "adamw: piece [{}, {}) of '{}' ({} elements)", pc.begin, pc.end, param, numel);
     if (eight_bit(pc.tensor_numel)) {
       // Block boundaries must be the unsharded tensor's: the sharder aligns them.
-      RIG_CHECK(pc.begin % ops::kAdam8Block == 0, "adamw: 8-bit piece of '{}' starts at {}, not on a block",
-                param, pc.begin);
+      RIG_CHECK(pc.begin % ops::kAdam8Block == 0,
+                "adamw: 8-bit piece of '{}' starts at {}, not on a block", param, pc.begin);
       s->at.push_back(s->n8);
       s->n8 += blocks_of(pc.end - pc.begin) * ops::kAdam8Block;
     } else {
@@ -83,7 +84,8 @@ void AdamW::step_pieced(Param& p, Pieced& s, const ops::AdamWParams& hp, float w
     Tensor value = p.value.slice_rows(pc.begin, pc.end), grad = p.grad.slice_rows(pc.begin, pc.end);
     Tensor copy = p.compute.defined() ? p.compute.slice_rows(pc.begin, pc.end) : Tensor();
     if (!eight_bit(pc.tensor_numel)) {
-      slots.push_back({value, grad, s.m.slice_rows(at, at + len), s.v.slice_rows(at, at + len), copy, wd});
+      slots.push_back(
+          {value, grad, s.m.slice_rows(at, at + len), s.v.slice_rows(at, at + len), copy, wd});
       continue;
     }
     const int64_t b0 = at / ops::kAdam8Block, b1 = b0 + blocks_of(len);
@@ -110,14 +112,17 @@ void AdamW::load_pieced(const std::string& name, Pieced& s,
               it->second.numel(), dtype_name(it->second.dtype()), numel, dtype_name(dt));
     return it->second.reshape({numel});
   };
-  Tensor m = find("adamw.m." + name, s.numel, DType::F32), v = find("adamw.v." + name, s.numel, DType::F32);
+  Tensor m = find("adamw.m." + name, s.numel, DType::F32),
+         v = find("adamw.v." + name, s.numel, DType::F32);
   Tensor mq = find("adamw8bit.mq." + name, s.numel, DType::U8),
          vq = find("adamw8bit.vq." + name, s.numel, DType::U8),
          mabs = find("adamw8bit.mabs." + name, blocks_of(s.numel), DType::F32),
          vabs = find("adamw8bit.vabs." + name, blocks_of(s.numel), DType::F32);
-  const bool any32 = m.defined() || v.defined(), any8 = mq.defined() || vq.defined() || mabs.defined() || vabs.defined();
+  const bool any32 = m.defined() || v.defined(),
+             any8 = mq.defined() || vq.defined() || mabs.defined() || vabs.defined();
   if (!any32 && !any8) return;
-  RIG_CHECK(s.n32 == 0 || (m.defined() && v.defined()), "optimizer state for '{}' lacks its float32 moments", name);
+  RIG_CHECK(s.n32 == 0 || (m.defined() && v.defined()),
+            "optimizer state for '{}' lacks its float32 moments", name);
   RIG_CHECK(s.n8 == 0 || (mq.defined() && vq.defined() && mabs.defined() && vabs.defined()),
             "optimizer state for '{}' lacks its 8-bit moments", name);
   s.q = Moments8{Tensor::zeros({s.n8}, DType::U8, dev, "adamw8bit m"),
@@ -230,7 +235,8 @@ std::vector<std::pair<std::string, Tensor>> AdamW::state_tensors() const {
       }
       mq.slice_rows(pc.begin, pc.end).copy_from(s->q.mq.slice_rows(at, at + len));
       vq.slice_rows(pc.begin, pc.end).copy_from(s->q.vq.slice_rows(at, at + len));
-      const int64_t nb = blocks_of(len), sb = pc.begin / ops::kAdam8Block, ab = at / ops::kAdam8Block;
+      const int64_t nb = blocks_of(len), sb = pc.begin / ops::kAdam8Block,
+                    ab = at / ops::kAdam8Block;
       mabs.slice_rows(sb, sb + nb).copy_from(s->q.mabs.slice_rows(ab, ab + nb));
       vabs.slice_rows(sb, sb + nb).copy_from(s->q.vabs.slice_rows(ab, ab + nb));
     }
@@ -251,11 +257,12 @@ std::vector<std::pair<std::string, Tensor>> AdamW::state_tensors() const {
 size_t AdamW::state_bytes() const {
   size_t n = 0;
   for (const auto& [name, mv] : mv_) n += mv.first.nbytes() + mv.second.nbytes();
-  for (const auto& [name, s] : mv8_) n += s.mq.nbytes() + s.mabs.nbytes() + s.vq.nbytes() + s.vabs.nbytes();
+  for (const auto& [name, s] : mv8_)
+    n += s.mq.nbytes() + s.mabs.nbytes() + s.vq.nbytes() + s.vabs.nbytes();
   for (const auto& [name, s] : pieced_)
     if (s->allocated)
-      n += s->m.nbytes() + s->v.nbytes() + s->q.mq.nbytes() + s->q.mabs.nbytes() + s->q.vq.nbytes() +
-           s->q.vabs.nbytes();
+      n += s->m.nbytes() + s->v.nbytes() + s->q.mq.nbytes() + s->q.mabs.nbytes() +
+           s->q.vq.nbytes() + s->q.vabs.nbytes();
   return n;
 }
 

@@ -569,8 +569,8 @@ bool holds(const std::string& prefix, const FlatUnit& u, size_t j) {
   if (prefix.rfind("adamw.", 0) == 0) return !u.eight_bit(j);
   return true;
 }
-constexpr const char* kStatePrefixes[] = {"param.",          "adamw.m.",      "adamw.v.",
-                                          "adamw8bit.mq.",   "adamw8bit.mabs.", "adamw8bit.vq.",
+constexpr const char* kStatePrefixes[] = {"param.",         "adamw.m.",        "adamw.v.",
+                                          "adamw8bit.mq.",  "adamw8bit.mabs.", "adamw8bit.vq.",
                                           "adamw8bit.vabs."};
 
 }  // namespace
@@ -588,7 +588,8 @@ void Sharded::load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device
     auto fill = [&](const std::string& prefix) {
       const StateKind kind = kind_of(prefix);
       const int64_t scale = kind.per_block ? fu.align : 1;
-      Tensor host = Tensor::zeros({u.fs.shard / scale}, kind.dtype, Device::cpu(), "checkpoint shard");
+      Tensor host =
+          Tensor::zeros({u.fs.shard / scale}, kind.dtype, Device::cpu(), "checkpoint shard");
       auto* out = static_cast<char*>(host.raw());
       const size_t es = dtype_size(kind.dtype);
       for (size_t j = 0; j < fu.params.size(); ++j) {

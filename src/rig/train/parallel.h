@@ -74,7 +74,7 @@ struct FlatUnit {
   bool eight_bit(size_t param) const {
     return min_8bit_size >= 0 && params[param].second >= min_8bit_size;
   }
-  int64_t numel() const;                // of the params
+  int64_t numel() const;                 // of the params
   std::vector<int64_t> offsets() const;  // where each param starts in the flat vector
   int64_t flat_numel() const;            // the flat vector: params and alignment padding
   dist::FlatShard shard_of(int world) const;

@@ -88,8 +88,12 @@ struct OpCase {
 //  and the kernels round a few intermediates too (attention's P and dS, rmsnorm's x*rstd before
 //  the weight, as Hugging Face does); a handful of 2^-8 roundings accumulated is ~1e-2, and 2e-2
 //  leaves headroom while a wrong index or a missing term (errors of order 1) still fails.
-inline double tolerance(DType dt) { return dt == DType::F32 ? 1e-5 : 2e-2; }
-inline const char* dtype_str(DType dt) { return dt == DType::F32 ? "F32" : "BF16"; }
+inline double tolerance(DType dt) {
+  return dt == DType::F32 ? 1e-5 : 2e-2;
+}
+inline const char* dtype_str(DType dt) {
+  return dt == DType::F32 ? "F32" : "BF16";
+}
 
 inline Tensor scalar(double v) {
   Tensor t = Tensor::empty({1}, DType::F64);
@@ -213,7 +217,8 @@ inline Tensor place(const Tensor& t, DType dt, Device dev) {
 }
 inline Tensors place_inputs(const OpCase& c, const Tensors& cpu, const Ctx& ctx) {
   Tensors t;
-  for (const auto& [name, x] : cpu) t[name] = place(x, is_data(c, name) ? ctx.dt : DType::F32, ctx.dev);
+  for (const auto& [name, x] : cpu)
+    t[name] = place(x, is_data(c, name) ? ctx.dt : DType::F32, ctx.dev);
   return t;
 }
 
@@ -224,7 +229,8 @@ inline Tensor rope_table(int64_t positions, int64_t half, bool is_sin) {
   for (int64_t p = 0; p < positions; ++p)
     for (int64_t i = 0; i < half; ++i) {
       const double inv = std::pow(10000.0, -2.0 * double(i) / double(2 * half));
-      v[size_t(p * half + i)] = float(is_sin ? std::sin(double(p) * inv) : std::cos(double(p) * inv));
+      v[size_t(p * half + i)] =
+          float(is_sin ? std::sin(double(p) * inv) : std::cos(double(p) * inv));
     }
   return Tensor::from_f32(v, {positions, half});
 }
@@ -277,14 +283,16 @@ inline void add_gemm_cases(std::vector<OpCase>& cs) {
       cs.push_back(c);
     }
   // out = alpha A B^T + beta src, into a new tensor and in place (the residual add).
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{989, 111, 80}, {1, 1, 1}, {7, 33, 9}})
+  for (auto [m, n, k] :
+       {std::tuple<int64_t, int64_t, int64_t>{989, 111, 80}, {1, 1, 1}, {7, 33, 9}})
     for (int variant = 0; variant < 4; ++variant) {
       const bool in_place = variant % 2 == 1, src_f32 = variant >= 2;  // src: float32 residual
       OpCase c;
       c.op = "gemm_plus";
       c.shape = fmt::format("m={} n={} k={}{}{}", m, n, k, in_place ? " in place" : "",
                             src_f32 ? " src=F32" : "");
-      c.in = {{"a", {m, k}}, {"b", {n, k}}, {"src", {m, n}, src_f32 ? Kind::F32 : Kind::Data, 4.0f}};
+      c.in = {
+          {"a", {m, k}}, {"b", {n, k}}, {"src", {m, n}, src_f32 ? Kind::F32 : Kind::Data, 4.0f}};
       if (src_f32) c.dtypes = {DType::BF16};
       c.forward = [in_place](const Tensors& t, const Ctx&) {
         Tensor src = t.at("src").clone();
@@ -297,7 +305,10 @@ inline void add_gemm_cases(std::vector<OpCase>& cs) {
       c.exact = {"src"};
       cs.push_back(c);
     }
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{989, 80, 111}, {111, 1000, 64}, {1, 64, 80}, {7, 5, 3}}) {
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{989, 80, 111},
+                         {111, 1000, 64},
+                         {1, 64, 80},
+                         {7, 5, 3}}) {
     OpCase c;
     c.op = "gemm_bias";
     c.shape = fmt::format("m={} n={} k={}", m, n, k);
@@ -312,7 +323,8 @@ inline void add_gemm_cases(std::vector<OpCase>& cs) {
 }
 
 inline void add_elementwise_cases(std::vector<OpCase>& cs) {
-  for (auto [rows, n] : {std::pair<int64_t, int64_t>{111, 1000}, {989, 1000}, {1, 1}, {7, 9}, {3, 1}}) {
+  for (auto [rows, n] :
+       {std::pair<int64_t, int64_t>{111, 1000}, {989, 1000}, {1, 1}, {7, 9}, {3, 1}}) {
     OpCase c;
     c.op = "add_bias";
     c.shape = fmt::format("rows={} n={}", rows, n);
@@ -329,15 +341,18 @@ inline void add_elementwise_cases(std::vector<OpCase>& cs) {
     };
     c.seeds = {{"y", "dy"}};
     c.grads = {{"bias", "db", "db0"}};  // dx is dy itself: no op computes it
-    c.f32_outputs = {"db"};  // a float32 accumulator: only the summation order differs
+    c.f32_outputs = {"db"};             // a float32 accumulator: only the summation order differs
     cs.push_back(c);
   }
-  for (auto [vocab, h, rows] : {std::tuple<int64_t, int64_t, int64_t>{50, 80, 989}, {1, 1, 1}, {7, 9, 13}, {3, 4, 2}}) {
+  for (auto [vocab, h, rows] :
+       {std::tuple<int64_t, int64_t, int64_t>{50, 80, 989}, {1, 1, 1}, {7, 9, 13}, {3, 4, 2}}) {
     OpCase c;
     c.op = "embedding";
     c.shape = fmt::format("vocab={} h={} rows={}", vocab, h, rows);  // few ids: rows share one
-    c.in = {{"ids", {rows}, Kind::Ids, 1, 0, vocab}, {"table", {vocab, h}},
-            {"dout", {rows, h}}, {"dtable0", {vocab, h}, Kind::F32}};
+    c.in = {{"ids", {rows}, Kind::Ids, 1, 0, vocab},
+            {"table", {vocab, h}},
+            {"dout", {rows, h}},
+            {"dtable0", {vocab, h}, Kind::F32}};
     c.forward = [](const Tensors& t, const Ctx& x) {
       Tensor out = x.data({t.at("ids").dim(0), t.at("table").dim(1)});
       ops::embedding_forward(t.at("ids"), t.at("table"), out);
@@ -355,7 +370,8 @@ inline void add_elementwise_cases(std::vector<OpCase>& cs) {
     cs.push_back(c);
   }
   // 989x111 is odd (the element-at-a-time kernel), 989x112 a multiple of 8 (the 16-byte one).
-  for (auto [rows, n] : {std::pair<int64_t, int64_t>{989, 111}, {989, 112}, {1, 1}, {3, 5}, {1, 8}, {7, 9}}) {
+  for (auto [rows, n] :
+       {std::pair<int64_t, int64_t>{989, 111}, {989, 112}, {1, 1}, {3, 5}, {1, 8}, {7, 9}}) {
     OpCase c;
     c.op = "swiglu";
     c.shape = fmt::format("rows={} n={}", rows, n);
@@ -415,13 +431,17 @@ inline void add_elementwise_cases(std::vector<OpCase>& cs) {
 }
 
 inline void add_norm_rope_cases(std::vector<OpCase>& cs) {
-  for (auto [rows, h] : {std::pair<int64_t, int64_t>{111, 80}, {989, 576}, {7, 4099}, {1, 1}, {3, 7}, {2, 8}}) {
+  for (auto [rows, h] :
+       {std::pair<int64_t, int64_t>{111, 80}, {989, 576}, {7, 4099}, {1, 1}, {3, 7}, {2, 8}}) {
     for (int variant = 0; variant < 3; ++variant) {  // backward; _add with dw; _add without
       OpCase c;
       c.op = variant == 0 ? "rmsnorm" : "rmsnorm_backward_add";
       c.shape = fmt::format("rows={} h={}{}", rows, h, variant == 2 ? " without dw" : "");
-      c.in = {{"x", {rows, h}, Kind::Data, 2.0f, 0.3f}, {"w", {h}, Kind::F32, 0.2f, 1.0f},
-              {"dy", {rows, h}}, {"dw0", {h}, Kind::F32}, {"dh0", {rows, h}, Kind::F32, 3.0f}};
+      c.in = {{"x", {rows, h}, Kind::Data, 2.0f, 0.3f},
+              {"w", {h}, Kind::F32, 0.2f, 1.0f},
+              {"dy", {rows, h}},
+              {"dw0", {h}, Kind::F32},
+              {"dh0", {rows, h}, Kind::F32, 3.0f}};
       c.forward = [](const Tensors& t, const Ctx& x) {
         const Tensor& in = t.at("x");
         Tensor y = x.data(in.shape()), rstd = x.f32({in.dim(0)});
@@ -451,7 +471,11 @@ inline void add_norm_rope_cases(std::vector<OpCase>& cs) {
       cs.push_back(c);
     }
   }
-  for (auto [heads, d, rows] : {std::tuple<int, int64_t, int64_t>{5, 80, 111}, {6, 64, 111}, {1, 128, 111}, {1, 2, 1}, {3, 6, 7}}) {
+  for (auto [heads, d, rows] : {std::tuple<int, int64_t, int64_t>{5, 80, 111},
+                                {6, 64, 111},
+                                {1, 128, 111},
+                                {1, 2, 1},
+                                {3, 6, 7}}) {
     OpCase c;
     c.op = "rope";
     c.shape = fmt::format("heads={} head_dim={} rows={}", heads, d, rows);
@@ -461,7 +485,8 @@ inline void add_norm_rope_cases(std::vector<OpCase>& cs) {
       t["cos"] = rope_table(positions, d / 2, false);
       t["sin"] = rope_table(positions, d / 2, true);
       std::vector<int64_t> pv(static_cast<size_t>(rows));
-      for (int64_t r = 0; r < rows; ++r) pv[size_t(r)] = (r * 37 + 5) % positions;  // packed, shuffled
+      for (int64_t r = 0; r < rows; ++r)
+        pv[size_t(r)] = (r * 37 + 5) % positions;  // packed, shuffled
       t["pos"] = ints(pv, {rows});
     };
     c.forward = [heads](const Tensors& t, const Ctx&) {
@@ -488,19 +513,21 @@ inline void add_attention_cases(std::vector<OpCase>& cs) {
   // Head dims 32..256, GQA groups 1..8, lengths around the tensor-core tiles (1, 63, 64, 65,
   // 127), packed documents of length 1 to 64; and small ones for the finite differences.
   const A shapes[] = {
-      {2, 111, 6, 2, 64, true}, {1, 111, 5, 1, 80, false}, {1, 300, 4, 4, 128, true},
-      {3, 33, 2, 1, 32, false}, {1, 70, 3, 3, 96, true},   {1, 40, 2, 2, 256, false},
-      {2, 63, 4, 4, 64, false}, {1, 64, 8, 1, 128, false}, {3, 65, 8, 2, 64, false},
-      {2, 127, 4, 1, 128, true}, {2, 1, 4, 2, 64, false},  {1, 5, 2, 1, 4, false},
-      {2, 6, 2, 2, 3, true},    {1, 1, 1, 1, 1, false},
+      {2, 111, 6, 2, 64, true},  {1, 111, 5, 1, 80, false}, {1, 300, 4, 4, 128, true},
+      {3, 33, 2, 1, 32, false},  {1, 70, 3, 3, 96, true},   {1, 40, 2, 2, 256, false},
+      {2, 63, 4, 4, 64, false},  {1, 64, 8, 1, 128, false}, {3, 65, 8, 2, 64, false},
+      {2, 127, 4, 1, 128, true}, {2, 1, 4, 2, 64, false},   {1, 5, 2, 1, 4, false},
+      {2, 6, 2, 2, 3, true},     {1, 1, 1, 1, 1, false},
   };
   for (const A& s : shapes) {
     OpCase c;
     c.op = "attention";
     c.shape = fmt::format("B={} T={} Hq={} Hk={} D={}{}", s.B, s.T, s.Hq, s.Hk, s.D,
                           s.packed ? " packed" : "");
-    c.in = {{"q", {s.B, s.T, s.Hq, s.D}}, {"k", {s.B, s.T, s.Hk, s.D}},
-            {"v", {s.B, s.T, s.Hk, s.D}}, {"dout", {s.B, s.T, s.Hq, s.D}}};
+    c.in = {{"q", {s.B, s.T, s.Hq, s.D}},
+            {"k", {s.B, s.T, s.Hk, s.D}},
+            {"v", {s.B, s.T, s.Hk, s.D}},
+            {"dout", {s.B, s.T, s.Hq, s.D}}};
     if (s.packed) c.make = [s](Tensors& t, std::mt19937&) { t["seg"] = segments(s.B, s.T); };
     c.forward = [](const Tensors& t, const Ctx& x) {
       const Tensor& q = t.at("q");
@@ -525,7 +552,8 @@ inline void add_attention_cases(std::vector<OpCase>& cs) {
 }
 
 inline void add_loss_cases(std::vector<OpCase>& cs) {
-  for (auto [rows, V] : {std::pair<int64_t, int64_t>{111, 1000}, {111, 32003}, {1, 1}, {5, 7}, {3, 33}}) {
+  for (auto [rows, V] :
+       {std::pair<int64_t, int64_t>{111, 1000}, {111, 32003}, {1, 1}, {5, 7}, {3, 33}}) {
     OpCase c;
     c.op = "cross_entropy";
     c.shape = fmt::format("rows={} V={}", rows, V);
@@ -543,7 +571,8 @@ inline void add_loss_cases(std::vector<OpCase>& cs) {
     c.forward = [grad_scale](const Tensors& t, const Ctx& x) {
       Tensor dl = x.data(t.at("logits").shape());
       int64_t valid = 5;  // the count is added to
-      const double loss = ops::cross_entropy(t.at("logits"), t.at("targets"), grad_scale, &dl, &valid);
+      const double loss =
+          ops::cross_entropy(t.at("logits"), t.at("targets"), grad_scale, &dl, &valid);
       return Tensors{{"loss", scalar(loss)}, {"valid", scalar(double(valid))}, {"dlogits", dl}};
     };
     c.seeds = {{"loss", ""}};

@@ -36,7 +36,8 @@ void check(const OpCase& c, const char* phase, DType dt, const Device& dev, cons
       ADD_FAILURE() << where << ": missing";
       continue;
     }
-    const double tol = c.exact.count(name) ? 0.0 : tolerance(c.f32_outputs.count(name) ? DType::F32 : dt);
+    const double tol =
+        c.exact.count(name) ? 0.0 : tolerance(c.f32_outputs.count(name) ? DType::F32 : dt);
     const Compared r = compare(it->second, w, tol);
     summary += fmt::format(" {}:{}={:.2g}/{:.2g}", phase, name, r.err, r.tol);
     if (!r.failure.empty()) ADD_FAILURE() << where << ": " << r.failure;

@@ -46,8 +46,6 @@ const DType kDtypes[] = {DType::F32, DType::BF16};
 double tol(DType dt) { return dt == DType::F32 ? 1e-5 : 2e-2; }
 const char* name(DType dt) { return dt == DType::F32 ? "F32" : "BF16"; }
 
-
-
 Tensor rand_ids(int64_t n, int64_t hi, std::mt19937& g) {
   std::uniform_int_distribution<int64_t> u(0, hi - 1);
   std::vector<int64_t> v{};
@@ -227,7 +225,8 @@ TEST(OpHarness, EmbeddingBackwardRepeatsAndBadIdsAreReported) {
     ops::embedding_backward(dids, dgrad, again);
     ops::embedding_backward(dids, dgrad, again2);
     Tensor a1 = host(again), a2 = host(again2);
-    EXPECT_EQ(0, std::memcmp(a1.raw(), a2.raw(), a1.nbytes())) << "embedding_backward repeats [" << name(dt) << "]";
+    EXPECT_EQ(0, std::memcmp(a1.raw(), a2.raw(), a1.nbytes()))
+        << "embedding_backward repeats [" << name(dt) << "]";
   }
   Tensor bad = gpu(ints({1, 2, 50}, {3}));
   Tensor table = Tensor::zeros({50, 8}, DType::F32, Device::cuda(0));
@@ -240,7 +239,6 @@ TEST(OpHarness, EmbeddingBackwardRepeatsAndBadIdsAreReported) {
 
 // ---- rope ----------------------------------------------------------------------------------
 
-
 // Values are the generic harness's; here: the backward undoes the forward, and a position outside
 // the table is reported at the next synchronising op.
 TEST(OpHarness, RopeRoundTripAndBadPositions) {
@@ -249,7 +247,8 @@ TEST(OpHarness, RopeRoundTripAndBadPositions) {
   for (DType dt : kDtypes) {
     const int64_t rows = 111, positions = 300, d = 80;
     const int heads = 5;
-    Tensor cos = gpu(rope_table(positions, d / 2, false)), sin = gpu(rope_table(positions, d / 2, true));
+    Tensor cos = gpu(rope_table(positions, d / 2, false)),
+           sin = gpu(rope_table(positions, d / 2, true));
     std::vector<int64_t> pv(static_cast<size_t>(rows));
     for (int64_t r = 0; r < rows; ++r) pv[size_t(r)] = (r * 37) % positions;
     Tensor pos = gpu(ints(pv, {rows}));
@@ -272,7 +271,6 @@ struct AttnCase {
   int64_t B, T, Hq, Hk, D;
   bool packed;
 };
-
 
 #ifdef RIG_WITH_CUDA
 // Runs forward and backward of `impl` (auto, cudnn, flash, reference) on the GPU against the CPU
@@ -472,7 +470,8 @@ TEST(OpHarness, CrossEntropy) {
       Tensor dlog = gpu(logits, dt);
       const double dloss = ops::cross_entropy(dlog, gpu(targets), scale, &dlog, &dvalid);
       EXPECT_EQ(dvalid, valid) << what;
-      EXPECT_LE(std::abs(dloss - loss) / std::abs(loss), 1e-5) << what << " [" << name(dt) << "] loss " << dloss << " vs " << loss;
+      EXPECT_LE(std::abs(dloss - loss) / std::abs(loss), 1e-5)
+          << what << " [" << name(dt) << "] loss " << dloss << " vs " << loss;
       EXPECT_CLOSE(host(dlog), dl, dt, what + " dlogits");
       int64_t nv = 0;
       const double l2 = ops::cross_entropy(gpu(logits, dt), gpu(targets), scale, nullptr, &nv);

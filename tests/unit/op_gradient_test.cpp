@@ -92,8 +92,8 @@ TEST_P(OpGradient, CpuBackwardMatchesFiniteDifferences) {
       const double num = (lp - lm) / (double((orig + h) - (orig - h)));
       const double bound = 1e-3 * (1.0 + rms) + 1e-2 * std::abs(num);
       if (std::abs(ana[size_t(i)] - num) > bound && bad++ < 5)
-        ADD_FAILURE() << "element " << i << ": backward " << ana[size_t(i)] << ", finite difference "
-                      << num << " (bound " << bound << ")";
+        ADD_FAILURE() << "element " << i << ": backward " << ana[size_t(i)]
+                      << ", finite difference " << num << " (bound " << bound << ")";
     }
     EXPECT_EQ(bad, 0) << bad << " of " << coords.size() << " sampled elements off";
   }

@@ -33,9 +33,13 @@ void set_deterministic(bool on) {
 
 // The table's RIG_OP and RIG_OP_VIA rows: route by the device of `device_of`.
 #define RIG_OP(ret, name, category, device_of, params, args) \
-  ret name params { RIG_DISPATCH_AS(category, device_of, name args); }
+  ret name params {                                          \
+    RIG_DISPATCH_AS(category, device_of, name args);         \
+  }
 #define RIG_OP_VIA(ret, name, category, device_of, params, backend_call) \
-  ret name params { RIG_DISPATCH_AS(category, device_of, backend_call); }
+  ret name params {                                                      \
+    RIG_DISPATCH_AS(category, device_of, backend_call);                  \
+  }
 #include "rig/ops/op_table.inc"
 
 // The table's RIG_OP_CUSTOM rows, routed by hand.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "command.h"
@@ -10,6 +11,7 @@
 #include "rig/io/atomic_file.h"
 #include "rig/model/catalog.h"
 #include "rig/model/llama.h"
+#include "rig/model/loss_chunk.h"
 #include "rig/ops/profile.h"
 #include "rig/optim/adamw.h"
 
@@ -23,7 +25,7 @@ struct Opts {
   int lora_r = 16;
   std::string ckpt = "none";
   int64_t recompute_layers = -1;
-  int64_t loss_chunk_rows = rig::StepOptions{}.loss_chunk_rows;
+  std::optional<int64_t> loss_chunk_rows;  // unset: the engine's default for the vocabulary
   bool json = false, profile = false;
   std::string trace;
 };
@@ -41,7 +43,7 @@ int run(const Opts& o) {
                          {"--intermediate", o.inter},
                          {"--vocab", o.vocab},
                          {"--lora-r", int64_t(o.lora_r)},
-                         {"--loss-chunk-rows", o.loss_chunk_rows}})
+                         {"--loss-chunk-rows", o.loss_chunk_rows.value_or(1)}})
     if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
   std::unique_ptr<rig::LlamaModel> m;
   const bool qlora = o.method == "qlora";
@@ -101,7 +103,8 @@ int run(const Opts& o) {
                      : o.ckpt == "selective" ? rig::Checkpointing::Selective
                                              : rig::Checkpointing::None;
   so.recompute_layers = o.recompute_layers;
-  so.loss_chunk_rows = o.loss_chunk_rows;
+  so.loss_chunk_rows = o.loss_chunk_rows.value_or(rig::loss_chunk_rows_for(
+      m->config().vocab_size, int64_t(rig::dtype_size(m->compute_dtype()))));
   auto& alloc = rig::allocator_for(dev);
   double secs = 0;
   std::vector<double> losses;
@@ -151,7 +154,7 @@ int run(const Opts& o) {
                       {"seq", o.seq},
                       {"checkpointing", o.ckpt},
                       {"recompute_layers", o.recompute_layers},
-                      {"loss_chunk_rows", o.loss_chunk_rows},
+                      {"loss_chunk_rows", so.loss_chunk_rows},
                       {"optimizer", o.optimizer},
                       {"optimizer_state_bytes", opt.state_bytes()},
                       {"tokens_per_s", tokens / secs},
@@ -214,9 +217,8 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
                  "selective (-1: all)")
       ->capture_default_str();
   app.add_option("--loss-chunk-rows", o->loss_chunk_rows,
-                 "rows of float32 logits the loss materialises at once (memory against fewer, "
-                 "larger LM-head products)")
-      ->capture_default_str();
+                 "rows of logits the loss materialises at once (memory against fewer, larger "
+                 "LM-head products; default: about 512 MiB of them)");
   app.add_flag("--json", o->json, "one JSON line");
   app.add_flag("--profile", o->profile,
                "time one more step op by op: milliseconds per category (matmul, attention, norm, "

@@ -258,11 +258,14 @@ TEST(OpHarness, RopeRoundTripAndBadPositions) {
     ops::rope_backward(dx, pos, cos, sin, heads);
     EXPECT_CLOSE(host(dx), x, dt, "rope backward(forward(x)) == x");
   }
-  Tensor x = Tensor::zeros({2, 8}, DType::F32, Device::cuda(0));
-  Tensor t = gpu(rope_table(4, 4, false));
-  ops::rope_forward(x, gpu(ints({0, 4}, {2})), t, t, 1);
-  EXPECT_THROW(ops::sum_squares(x), InputError);
-  EXPECT_NO_THROW(ops::sum_squares(x));
+  // A bad position is reported by either kernel (scalar for head_dim 8, vector for 16).
+  for (int64_t d : {8, 16}) {
+    Tensor x = Tensor::zeros({2, d}, DType::F32, Device::cuda(0));
+    Tensor t = gpu(rope_table(4, d / 2, false));
+    ops::rope_forward(x, gpu(ints({0, 4}, {2})), t, t, 1);
+    EXPECT_THROW(ops::sum_squares(x), InputError) << "head_dim " << d;
+    EXPECT_NO_THROW(ops::sum_squares(x));
+  }
 }
 
 // ---- attention -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 
 #include "rig/core/error.h"
 #include "rig/io/atomic_file.h"
+#include "rig/model/loss_chunk.h"
 #include "rig/plan/models.h"
 #include "rig/plan/planner.h"
 #include "test_util.h"
@@ -108,8 +109,12 @@ TEST(PlanMemory, FullFineTuneTermsByHand) {
   s.checkpointing = Checkpointing::selective;
   auto sel = estimate_memory(m, s);
   EXPECT_DOUBLE_EQ(sel.per_layer.saved_selective, layer - BT * 2 * (2 * h + f));
-  // Loss chunk: min(1024, BT) tokens of vocab logits, bf16 + fp32.
-  EXPECT_DOUBLE_EQ(e.logits, BT * V * (2 + 4));
+  // Loss chunk: the engine's default rows (here more than BT) of bf16 logits, the gradient in
+  // place.
+  ASSERT_GT(rig::loss_chunk_rows_for(int64_t(V), 2), int64_t(BT));
+  EXPECT_DOUBLE_EQ(e.logits, BT * V * 2);
+  s.loss_chunk_tokens = 16;
+  EXPECT_DOUBLE_EQ(estimate_memory(m, s).logits, 16 * V * 2);
 }
 
 TEST(PlanMemory, Fp32PrecisionPredictsTheCpuEngine) {

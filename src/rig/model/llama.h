@@ -89,7 +89,7 @@ struct StepOptions {
   // spend memory that full checkpointing leaves free on less recompute. Negative: every layer.
   int64_t recompute_layers = -1;
   uint64_t dropout_seed = 0;
-  int64_t loss_chunk_rows = 1024;  // rows of logits materialised at once
+  int64_t loss_chunk_rows = 0;  // rows of logits materialised at once; 0: loss_chunk_rows_for
   StepHooks* hooks = nullptr;
 };
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "rig/model/llama_parts.h"
+#include "rig/model/loss_chunk.h"
 
 namespace rig {
 
@@ -301,18 +302,22 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   StepResult res;
   Param* head = cfg_.tie_word_embeddings ? &params_.front() : find_param("lm_head.weight");
   Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, dev_, "d final norm") : Tensor();
-  const int64_t chunk = std::max<int64_t>(1, opt.loss_chunk_rows);
+  // Logits in the products' dtype, as transformers computes them under autocast (the loss reads
+  // them in float32), with their gradient written over them; float32 when the caller keeps them.
+  const DType logit_dt = opt.logits ? DType::F32 : act_;
+  const int64_t chunk = opt.loss_chunk_rows > 0
+                            ? opt.loss_chunk_rows
+                            : loss_chunk_rows_for(Vv, int64_t(dtype_size(logit_dt)));
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t r1 = std::min(N, r0 + chunk);
     Tensor x = hn.slice_rows(r0, r1);
-    Tensor logits = fresh_on(dev_, {r1 - r0, Vv}, "logits chunk");
+    Tensor logits = Tensor::empty({r1 - r0, Vv}, logit_dt, dev_, "logits chunk");
     ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
     if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
     Tensor tg = targets.slice_rows(r0, r1);
-    // float32 logits; their gradient in the products' dtype, written by the loss itself.
-    Tensor dl = !opt.backward        ? Tensor()
-                : act_ == DType::F32 ? logits
-                                     : act(logits.shape(), "d logits");
+    Tensor dl = !opt.backward      ? Tensor()
+                : logit_dt == act_ ? logits
+                                   : act(logits.shape(), "d logits");
     res.loss_sum +=
         ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
     if (!opt.backward) continue;

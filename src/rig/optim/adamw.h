@@ -2,11 +2,13 @@
 // gradient-norm clipping as torch.nn.utils.clip_grad_norm_, and learning-rate schedules.
 #pragma once
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "rig/model/llama.h"
+#include "rig/ops/ops.h"
 
 namespace rig {
 
@@ -38,14 +40,36 @@ class AdamW {
   size_t state_bytes() const;
   void load_state(const std::map<std::string, Tensor>& tensors, int64_t step, Device dev);
 
+  // A parameter that is a flat shard of several tensors (strategy: sharded): [begin, end) of it
+  // is part of a tensor of tensor_numel elements and starts on one of that tensor's 256-blocks.
+  // Each piece gets the moments its whole tensor gets unsharded (8-bit from min_8bit_size on), so
+  // a shard steps bit for bit as the same elements do in one rank's step. Its state is packed
+  // (each kind only where used); state_tensors() gives it in the shard's coordinates:
+  // "adamw8bit.{mq,mabs,vq,vabs}.<param>" (absmax per 256 of the shard) and "adamw.{m,v}.<param>"
+  // for the float32 pieces, zero elsewhere; load_state takes the same.
+  struct Piece {
+    int64_t begin = 0, end = 0, tensor_numel = 0;
+  };
+  void set_pieces(const std::string& param, int64_t numel, std::vector<Piece> pieces);
+  const OptimizerConfig& config() const { return cfg_; }
+  bool eight_bit(int64_t tensor_numel) const {
+    return cfg_.eight_bit && tensor_numel >= cfg_.min_8bit_size;
+  }
+
  private:
-  OptimizerConfig cfg_;
-  int64_t step_ = 0;
-  std::map<std::string, std::pair<Tensor, Tensor>> mv_;
   struct Moments8 {
     Tensor mq, mabs, vq, vabs;
   };
+  struct Pieced;
+  void step_pieced(Param& p, Pieced& s, const ops::AdamWParams& hp, float wd, float coef,
+                   std::vector<ops::AdamWSlot>& slots);
+  void load_pieced(const std::string& name, Pieced& s, const std::map<std::string, Tensor>& tensors,
+                   Device dev);
+  OptimizerConfig cfg_;
+  int64_t step_ = 0;
+  std::map<std::string, std::pair<Tensor, Tensor>> mv_;
   std::map<std::string, Moments8> mv8_;
+  std::map<std::string, std::shared_ptr<Pieced>> pieced_;
 };
 
 // Global L2 norm of the gradients of trainable parameters.

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "rig/core/error.h"
+#include "rig/model/loss_chunk.h"
 
 namespace rig::plan {
 namespace {
@@ -168,8 +169,9 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   }
   e.activations = saved + final_block;
   e.layer_peak = la.backward_work + recompute;
-  const double chunk = std::min(double(s.loss_chunk_tokens), BT);
-  e.logits = chunk * double(m.vocab_size) * (a + 4);
+  const int64_t rows =
+      s.loss_chunk_tokens > 0 ? s.loss_chunk_tokens : loss_chunk_rows_for(m.vocab_size, int64_t(a));
+  e.logits = std::min(double(rows), BT) * double(m.vocab_size) * a;
 
   if (s.world_size > 1) {
     e.comm_buffers = s.nccl_bytes;

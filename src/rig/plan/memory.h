@@ -12,8 +12,8 @@
 //    embedding, the LM head) into a buffer that holds 1 + prefetch units of the largest size.
 //  - Activations: each decoder layer saves the tensors listed at layer_activations() for its
 //    backward; checkpointing decides which of them survive the forward (see Checkpointing).
-//  - The loss is computed over `loss_chunk_tokens` tokens at a time: logits in the activation
-//    dtype plus their fp32 softmax/gradient.
+//  - The loss is computed over `loss_chunk_tokens` tokens at a time (0: the engine's default,
+//    loss_chunk_rows_for): logits in the activation dtype, their gradient written over them.
 // All sizes are bytes per rank, as doubles because NF4 packs fractional bytes per value.
 #pragma once
 #include <algorithm>
@@ -54,7 +54,7 @@ struct TrainSetup {
   Precision precision = Precision::bf16;
   int world_size = 1;
   bool flash_attention = true;       // false: eager attention saves the B·heads·T² probabilities
-  int64_t loss_chunk_tokens = 1024;  // tokens per logits chunk of the loss
+  int64_t loss_chunk_tokens = 0;     // tokens per logits chunk of the loss (0: the default)
   int prefetch_units = 1;            // sharded: units gathered ahead of the one in use
   double bucket_bytes = 25.0 * 1024 * 1024;  // data parallel: gradient all-reduce bucket
   double nccl_bytes = 64.0 * 1024 * 1024;    // NCCL's own buffers (channels × 2 × BUFFSIZE)

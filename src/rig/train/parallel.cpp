@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <random>
 
 #include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
+#include "rig/ops/adamw8bit.h"
 #include "rig/ops/ops.h"
 #include "rig/train/checkpoint.h"
 
@@ -156,6 +158,31 @@ int64_t FlatUnit::numel() const {
   return n;
 }
 
+std::vector<int64_t> FlatUnit::offsets() const {
+  std::vector<int64_t> out;
+  int64_t off = 0;
+  for (const auto& [name, k] : params) {
+    out.push_back(off);
+    off += (k + align - 1) / align * align;
+  }
+  return out;
+}
+
+int64_t FlatUnit::flat_numel() const {
+  int64_t n = 0;
+  for (const auto& [name, k] : params) n += (k + align - 1) / align * align;
+  return n;
+}
+
+dist::FlatShard FlatUnit::shard_of(int world) const {
+  dist::FlatShard f = dist::FlatShard::of(flat_numel(), world);
+  if (align > 1) {
+    f.shard = (f.shard + align - 1) / align * align;
+    f.padded = f.shard * world;
+  }
+  return f;
+}
+
 namespace {
 
 // The stored tensors of a 4-bit weight, under transformers' key suffixes.
@@ -183,8 +210,9 @@ Tensor bytes_of(const Tensor& t) {
                       std::make_shared<Tensor>(t));
 }
 
-std::vector<std::vector<size_t>> unit_members(const LlamaModel& model,
-                                              std::vector<FlatUnit>& units) {
+std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vector<FlatUnit>& units,
+                                              const AdamW* opt = nullptr) {
+  const bool eight = opt && opt->config().eight_bit;
   const std::vector<int> groups = model.param_groups();
   const auto& ps = model.params();
   int layers = 0;
@@ -199,6 +227,10 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model,
       u.no_decay = kind == 1;
       u.four_bit = kind == 3;
       u.name = (g < 0 ? std::string("outer") : fmt::format("layer.{}", g)) + kinds[kind];
+      if (eight && u.trainable) {
+        u.align = ops::kAdam8Block;
+        u.min_8bit_size = std::max<int64_t>(0, opt->config().min_8bit_size);
+      }
       std::vector<size_t> m;
       for (size_t i = 0; i < ps.size(); ++i) {
         if (groups[i] != g || ps[i].trainable != u.trainable) continue;
@@ -255,9 +287,10 @@ struct Sharded::PendingGrad {
   int param = -1;
 };
 
-Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), model_(model) {
+Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
+    : comm_(comm), model_(model) {
   RIG_CHECK(model.compute_dtype() == DType::F32, "sharded training needs float32 compute");
-  auto members = unit_members(model, units_);
+  auto members = unit_members(model, units_, opt);
   auto& ps = model.params();
   const Device dev = model.device();
   const int r = comm.rank();
@@ -289,13 +322,9 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
       state_.push_back(std::move(u));
       continue;
     }
-    int64_t off = 0;
-    for (size_t i : u->members) {
-      u->shapes.push_back(ps[i].value.shape());
-      u->offsets.push_back(off);
-      off += ps[i].value.numel();
-    }
-    u->fs = dist::FlatShard::of(off, comm.world());
+    for (size_t i : u->members) u->shapes.push_back(ps[i].value.shape());
+    u->offsets = units_[k].offsets();
+    u->fs = units_[k].shard_of(comm.world());
     // This rank's slice of the flat vector (the full model is on every rank once, at start).
     Tensor shard = Tensor::zeros({u->fs.shard}, DType::F32, dev, "parameter shard");
     const int64_t b = u->fs.begin(r), e = b + u->fs.valid(r);
@@ -313,6 +342,16 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model) : comm_(comm), mod
       sp.value = shard;
       sp.grad = Tensor::zeros({u->fs.shard}, DType::F32, dev, "gradient shard");
       sp.no_decay = units_[k].no_decay;
+      if (units_[k].align > 1) {
+        // Which tensor each part of this shard is, for the 8-bit optimizer.
+        std::vector<AdamW::Piece> pieces;
+        for (size_t j = 0; j < u->members.size(); ++j) {
+          const int64_t n = units_[k].params[j].second, pb = u->offsets[j];
+          const int64_t lo = std::max(b, pb), hi = std::min(e, pb + n);
+          if (lo < hi) pieces.push_back({lo - b, hi - b, n});
+        }
+        opt->set_pieces(sp.name, u->fs.shard, std::move(pieces));
+      }
       shard_params_.push_back(std::move(sp));
     } else {
       u->shard = shard;
@@ -495,10 +534,46 @@ json Sharded::layout() const {
     for (const auto& [n, k] : u.params) ps.push_back({n, k});
     json j = {{"name", u.name}, {"trainable", u.trainable}, {"params", ps}};
     if (u.four_bit) j["four_bit"] = true;  // params in float32 words of stored bytes
+    if (u.align > 1) {
+      j["align"] = u.align;
+      j["min_8bit_size"] = u.min_8bit_size;
+    }
     units.push_back(std::move(j));
   }
   return {{"world", comm_.world()}, {"units", units}};
 }
+
+namespace {
+
+// What a checkpoint prefix holds: its element type, and whether it counts blocks of 256.
+struct StateKind {
+  DType dtype = DType::F32;
+  bool per_block = false;
+};
+StateKind kind_of(const std::string& prefix) {
+  if (prefix == "adamw8bit.mq." || prefix == "adamw8bit.vq.") return {DType::U8, false};
+  if (prefix == "adamw8bit.mabs." || prefix == "adamw8bit.vabs.") return {DType::F32, true};
+  return {};
+}
+int64_t blocks_of(int64_t n) {
+  return (n + ops::kAdam8Block - 1) / ops::kAdam8Block;
+}
+// A tensor's length under a prefix: elements, or blocks.
+int64_t length_of(int64_t numel, const StateKind& k) {
+  return k.per_block ? blocks_of(numel) : numel;
+}
+// Which of a unit's params a prefix holds: 8-bit moments only for the 8-bit ones, float32
+// moments only for the others.
+bool holds(const std::string& prefix, const FlatUnit& u, size_t j) {
+  if (prefix.rfind("adamw8bit.", 0) == 0) return u.eight_bit(j);
+  if (prefix.rfind("adamw.", 0) == 0) return !u.eight_bit(j);
+  return true;
+}
+constexpr const char* kStatePrefixes[] = {"param.",         "adamw.m.",        "adamw.v.",
+                                          "adamw8bit.mq.",  "adamw8bit.mabs.", "adamw8bit.vq.",
+                                          "adamw8bit.vabs."};
+
+}  // namespace
 
 void Sharded::load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device dev) {
   const int r = comm_.rank();
@@ -507,21 +582,52 @@ void Sharded::load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device
     const FlatUnit& fu = units_[k];
     if (!fu.trainable) continue;
     Unit& u = *state_[k];
-    const int64_t b = u.fs.begin(r), n = u.fs.valid(r);
-    auto fill = [&](const std::string& prefix, Tensor& dst) {
-      Tensor host = Tensor::zeros({u.fs.shard}, DType::F32, Device::cpu(), "checkpoint shard");
-      if (n > 0 && !read(prefix, fu, b, b + n, host.f32())) return false;
-      dst.copy_from(host);
-      return true;
+    const int64_t b = u.fs.begin(r), e = b + u.fs.valid(r);
+    // This rank's part of the unit under a prefix, tensor by tensor (undefined: not in the
+    // checkpoint); block-aligned units keep each 8-bit tensor's blocks at flat offset / 256.
+    auto fill = [&](const std::string& prefix) {
+      const StateKind kind = kind_of(prefix);
+      const int64_t scale = kind.per_block ? fu.align : 1;
+      Tensor host =
+          Tensor::zeros({u.fs.shard / scale}, kind.dtype, Device::cpu(), "checkpoint shard");
+      auto* out = static_cast<char*>(host.raw());
+      const size_t es = dtype_size(kind.dtype);
+      for (size_t j = 0; j < fu.params.size(); ++j) {
+        if (!holds(prefix, fu, j)) continue;
+        const int64_t pb = u.offsets[j], n = fu.params[j].second;
+        const int64_t lo = std::max(b, pb), hi = std::min(e, pb + n);
+        if (lo >= hi) continue;
+        int64_t tb = lo - pb, te = hi - pb;
+        if (kind.per_block) {
+          tb /= ops::kAdam8Block;
+          te = blocks_of(te);
+        }
+        if (!read(prefix, fu, j, tb, te, out + size_t((lo - b) / scale) * es)) return Tensor();
+      }
+      return host;
     };
     Param& sp = shard_params_[size_t(u.param)];
-    if (!fill("param.", sp.value)) bad_input("checkpoint has no parameters for '{}'", fu.name);
-    Tensor m = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw m"),
-           v = Tensor::zeros({u.fs.shard}, DType::F32, dev, "adamw v");
-    if (fill("adamw.m.", m) && fill("adamw.v.", v)) {
-      opt_state["adamw.m." + fu.name] = m;
-      opt_state["adamw.v." + fu.name] = v;
+    Tensor values = fill("param.");
+    if (!values.defined()) bad_input("checkpoint has no parameters for '{}'", fu.name);
+    sp.value.copy_from(values);
+    std::vector<std::string> prefixes;
+    if (fu.min_8bit_size < 0 || std::any_of(fu.params.begin(), fu.params.end(), [&](const auto& p) {
+          return p.second < fu.min_8bit_size;
+        }))
+      prefixes = {"adamw.m.", "adamw.v."};
+    if (fu.min_8bit_size >= 0)
+      for (const char* p : {"adamw8bit.mq.", "adamw8bit.mabs.", "adamw8bit.vq.", "adamw8bit.vabs."})
+        prefixes.push_back(p);
+    std::map<std::string, Tensor> mine;
+    for (const auto& prefix : prefixes) {
+      Tensor t = fill(prefix);
+      if (!t.defined()) {
+        mine.clear();  // before the first step
+        break;
+      }
+      mine[prefix + fu.name] = t.to(dev, "optimizer state");
     }
+    opt_state.merge(mine);
   }
   opt.load_state(opt_state, opt_step, dev);
 }
@@ -596,6 +702,8 @@ std::vector<FlatUnit> units_of_layout(const json& layout) {
     f.name = u.at("name");
     f.trainable = u.at("trainable");
     f.four_bit = u.value("four_bit", false);
+    f.align = u.value("align", int64_t(1));
+    f.min_8bit_size = u.value("min_8bit_size", int64_t(-1));
     for (const auto& p : u.at("params"))
       f.params.emplace_back(p.at(0).get<std::string>(), p.at(1).get<int64_t>());
     out.push_back(std::move(f));
@@ -645,42 +753,54 @@ Sharded::RangeReader sharded_checkpoint_reader(const std::string& ckpt_dir,
     }
     return *f;
   };
-  return [open, old_world](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end,
-                           float* out) {
-    const dist::FlatShard fs = dist::FlatShard::of(u.numel(), old_world);
+  // The units as that run laid them out (its alignment, its world).
+  auto saved = std::make_shared<std::map<std::string, FlatUnit>>();
+  for (auto& u : units_of_layout(saved_layout)) saved->emplace(u.name, std::move(u));
+  return [open, old_world, saved](const std::string& prefix, const FlatUnit& unit, size_t param,
+                                  int64_t begin, int64_t end, void* out) {
+    auto su = saved->find(unit.name);
+    if (su == saved->end() || param >= su->second.params.size()) return false;
+    const FlatUnit& u = su->second;
+    if (!holds(prefix, u, param)) return false;  // that run kept other moments for it
+    const StateKind kind = kind_of(prefix);
+    const int64_t scale = kind.per_block ? u.align : 1;
+    if (kind.per_block && u.align != ops::kAdam8Block) return false;
+    const dist::FlatShard fs = u.shard_of(old_world);
+    const int64_t shard = fs.shard / scale, at = u.offsets()[param] / scale;
+    const size_t es = dtype_size(kind.dtype);
     for (int r = 0; r < old_world && begin < end; ++r) {
-      const int64_t b = fs.begin(r), e = b + fs.shard;
-      const int64_t lo = std::max(begin, b), hi = std::min(end, e);
+      const int64_t b = r * shard, e = b + shard;
+      const int64_t lo = std::max(at + begin, b), hi = std::min(at + end, e);
       if (lo >= hi) continue;
       SafeTensorsFile& f = open(r);
       const std::string key = prefix + u.name;
       if (!f.has(key)) return false;
-      Tensor t = f.get_f32(key);
-      if (t.numel() != fs.shard)
-        bad_input("tensor '{}' has {} elements, expected {}", key, t.numel(), fs.shard);
-      std::copy(t.f32() + (lo - b), t.f32() + (hi - b), out + (lo - begin));
+      Tensor t = kind.dtype == DType::F32 ? f.get_f32(key) : f.get(key);
+      if (t.numel() != shard || t.dtype() != kind.dtype)
+        bad_input("tensor '{}' has {} elements of {}, expected {} of {}", key, t.numel(),
+                  dtype_name(t.dtype()), shard, dtype_name(kind.dtype));
+      std::memcpy(static_cast<char*>(out) + size_t(lo - at - begin) * es,
+                  static_cast<const char*>(t.raw()) + size_t(lo - b) * es, size_t(hi - lo) * es);
     }
     return true;
   };
 }
 
 Sharded::RangeReader named_tensor_reader(const std::map<std::string, Tensor>& tensors) {
-  return [&tensors](const std::string& prefix, const FlatUnit& u, int64_t begin, int64_t end,
-                    float* out) {
-    int64_t off = 0;
-    for (const auto& [name, n] : u.params) {
-      const int64_t lo = std::max(begin, off), hi = std::min(end, off + n);
-      if (lo < hi) {
-        auto it = tensors.find(prefix + name);
-        if (it == tensors.end()) return false;
-        Tensor t =
-            it->second.device().is_cpu() ? it->second : it->second.to(Device::cpu(), "checkpoint");
-        if (t.numel() != n)
-          bad_input("tensor '{}{}' has {} elements, expected {}", prefix, name, t.numel(), n);
-        std::copy(t.f32() + (lo - off), t.f32() + (hi - off), out + (lo - begin));
-      }
-      off += n;
-    }
+  return [&tensors](const std::string& prefix, const FlatUnit& u, size_t param, int64_t begin,
+                    int64_t end, void* out) {
+    const auto& [name, n] = u.params[param];
+    auto it = tensors.find(prefix + name);
+    if (it == tensors.end()) return false;
+    Tensor t =
+        it->second.device().is_cpu() ? it->second : it->second.to(Device::cpu(), "checkpoint");
+    const StateKind kind = kind_of(prefix);
+    if (t.numel() != length_of(n, kind) || t.dtype() != kind.dtype)
+      bad_input("tensor '{}{}' has {} elements of {}, expected {} of {}", prefix, name, t.numel(),
+                dtype_name(t.dtype()), length_of(n, kind), dtype_name(kind.dtype));
+    const size_t es = dtype_size(kind.dtype);
+    std::memcpy(out, static_cast<const char*>(t.raw()) + size_t(begin) * es,
+                size_t(end - begin) * es);
     return true;
   };
 }
@@ -691,15 +811,14 @@ std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir,
   std::map<std::string, Tensor> out;
   for (const auto& u : units_of_layout(saved_layout)) {
     if (!u.trainable) continue;
-    for (const char* prefix : {"param.", "adamw.m.", "adamw.v."}) {
-      Tensor flat = Tensor::empty({u.numel()}, DType::F32, Device::cpu(), "checkpoint");
-      if (!read(prefix, u, 0, u.numel(), flat.f32())) continue;
-      int64_t off = 0;
-      for (const auto& [name, n] : u.params) {
-        out[prefix + name] = flat.slice_rows(off, off + n);
-        off += n;
+    for (const std::string prefix : kStatePrefixes)
+      for (size_t j = 0; j < u.params.size(); ++j) {
+        if (!holds(prefix, u, j)) continue;
+        const StateKind kind = kind_of(prefix);
+        const int64_t n = length_of(u.params[j].second, kind);
+        Tensor t = Tensor::empty({n}, kind.dtype, Device::cpu(), "checkpoint");
+        if (read(prefix, u, j, 0, n, t.raw())) out[prefix + u.params[j].first] = t;
       }
-    }
   }
   return out;
 }

@@ -65,15 +65,29 @@ struct FlatUnit {
   // their size in words.
   bool four_bit = false;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
-  int64_t numel() const;
+  // 8-bit AdamW (trainable units): every param starts on a multiple of align (its block of 256)
+  // and each rank's shard is a multiple of it too, so a shard holds whole blocks of the very
+  // tensors one rank quantizes: the sharded step equals the unsharded one bit for bit, and the
+  // 8-bit state does not depend on the world size (padding: under 256 elements per tensor).
+  int64_t align = 1;
+  int64_t min_8bit_size = -1;  // params of at least this many elements have 8-bit moments; -1: none
+  bool eight_bit(size_t param) const {
+    return min_8bit_size >= 0 && params[param].second >= min_8bit_size;
+  }
+  int64_t numel() const;                 // of the params
+  std::vector<int64_t> offsets() const;  // where each param starts in the flat vector
+  int64_t flat_numel() const;            // the flat vector: params and alignment padding
+  dist::FlatShard shard_of(int world) const;
 };
 
 class Sharded : public StepHooks {
  public:
   // Takes over the model's parameters: keeps this rank's shard of each flat unit and releases
   // the full tensors (Param::value, and a 4-bit weight's packed/absmax/map tensors, become
-  // undefined until a hook gathers them). No communication.
-  Sharded(dist::Communicator& comm, LlamaModel& model);
+  // undefined until a hook gathers them). No communication. With an 8-bit `opt`, the trainable
+  // units are block-aligned (FlatUnit::align) and `opt` learns which tensor each piece of a
+  // shard belongs to (AdamW::set_pieces).
+  Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt = nullptr);
   ~Sharded() override;
   // The trainable shards, one Param per unit, named by the unit: what the optimizer steps.
   std::vector<Param>& params() { return shard_params_; }
@@ -95,14 +109,16 @@ class Sharded : public StepHooks {
   bool gathered() const { return pinned_; }
 
   // Checkpoints: this rank's tensors ("param.<unit>", and the optimizer's "adamw.m.<unit>",
-  // "adamw.v.<unit>") and the layout every rank shares.
+  // "adamw.v.<unit>", "adamw8bit.{mq,mabs,vq,vabs}.<unit>") and the layout every rank shares.
   std::vector<std::pair<std::string, Tensor>> shard_tensors(const AdamW& opt) const;
   nlohmann::json layout() const;
-  // Fills this rank's shards (and optimizer state) from `read`, which gives [begin, end) of a
-  // unit's flat vector for a prefix ("param.", "adamw.m.", "adamw.v."), or false when the
-  // checkpoint has none (optimizer state before the first step).
-  using RangeReader = std::function<bool(const std::string& prefix, const FlatUnit& u,
-                                         int64_t begin, int64_t end, float* out)>;
+  // Fills this rank's shards (and optimizer state) from `read`, which gives [begin, end) of the
+  // unit's param'th tensor for a prefix ("param.", "adamw.m.", "adamw.v." in float32 elements;
+  // "adamw8bit.mq.", "adamw8bit.vq." in U8 codes; "adamw8bit.mabs.", "adamw8bit.vabs." in
+  // float32 absmax per block of 256), or false when the checkpoint has none (optimizer state
+  // before the first step). Per tensor, so the writer's alignment and world size do not matter.
+  using RangeReader = std::function<bool(const std::string& prefix, const FlatUnit& u, size_t param,
+                                         int64_t begin, int64_t end, void* out)>;
   void load(const RangeReader& read, AdamW& opt, int64_t opt_step, Device dev);
 
  private:

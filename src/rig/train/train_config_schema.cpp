@@ -178,7 +178,9 @@ std::vector<ConfigSection> make_sections() {
                        "fp32; state ≈ ¼ of fp32's; `docs/qlora.md`). `optimizer: NAME` as a plain "
                        "string also works, with axolotl's names (`adamw_torch`, "
                        "`adamw_torch_fused`, `adamw_bnb_8bit`, `paged_adamw_8bit`, ...). "
-                       "`adamw8bit` with `strategy: sharded` is not supported yet."},
+                       "With `strategy: sharded` each rank keeps the 8-bit moments of its own "
+                       "shard (blocks of 256 never split between ranks, so the update equals one "
+                       "rank's; `docs/distributed.md`)."},
                {.name = "optimizer.min_8bit_size",
                 .type = "integer",
                 .default_yaml = "4096",

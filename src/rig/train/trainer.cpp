@@ -526,11 +526,6 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   oc.no_decay_on_norms_and_biases = cfg.optimizer.no_decay_on_norms_and_biases;
   oc.eight_bit = cfg.optimizer.name == "adamw8bit";
   oc.min_8bit_size = cfg.optimizer.min_8bit_size;
-  if (oc.eight_bit && sharding)
-    bad_input(
-        "{}: optimizer adamw8bit with strategy sharded is not supported yet (use adamw, or "
-        "strategy ddp)",
-        cfg.source);
   AdamW opt(oc);
 
   LoaderOptions lo;
@@ -546,7 +541,7 @@ TrainResult train(const TrainConfig& cfg_in, const TrainHooks& hooks) {
   int64_t step = 0;
   std::unique_ptr<Sharded> shard;
   std::unique_ptr<DataParallel> ddp;
-  if (sharding) shard = std::make_unique<Sharded>(*comm, *model);
+  if (sharding) shard = std::make_unique<Sharded>(*comm, *model, &opt);
   if (comm && !sharding)
     ddp = std::make_unique<DataParallel>(*comm, *model, size_t(cfg.dist.bucket_mb * (1 << 20)),
                                          int(cfg.dist.powersgd_rank), cfg.seed);

@@ -41,8 +41,10 @@ void set_attention_impl(const std::string& impl);
 const std::string& attention_impl();
 // The implementation the last attention_forward (backward = false) or _backward call ran.
 const std::string& last_attention_impl(bool backward);
-// Bitwise-repeatable kernels where a faster nondeterministic one exists (cuDNN's backward).
+// Bitwise-repeatable kernels where a faster nondeterministic one exists (cuDNN's backward), and
+// the same cuBLASLt algorithm in every process (no autotuning by timing).
 void set_deterministic(bool on);
+bool deterministic();
 // out (F32 or BF16, q's element count, on q's device) = the 4-bit weight decoded: double-quantized
 // absmax inline, f32(code[nibble] * absmax) rounded to q.dtype, then stored in out's dtype.
 void dequantize_4bit(const quant::QuantizedWeight& q, Tensor& out);

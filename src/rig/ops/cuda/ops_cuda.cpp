@@ -349,6 +349,9 @@ void set_attention_impl(const std::string& impl) { impl_setting() = impl; }
 const std::string& attention_impl() { return impl_setting(); }
 const std::string& last_attention_impl(bool backward) { return g_last_impl[backward ? 1 : 0]; }
 void set_deterministic(bool on) { g_deterministic = on; }
+bool deterministic() {
+  return g_deterministic;
+}
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
                        Tensor& out, Tensor& lse) {

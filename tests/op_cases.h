@@ -471,7 +471,8 @@ inline void add_norm_rope_cases(std::vector<OpCase>& cs) {
       cs.push_back(c);
     }
   }
-  // head_dim 36 and 6 (pairs not a multiple of 8) take the scalar kernel, the others the vector one.
+  // head_dim 36 and 6 (pairs not a multiple of 8) take the scalar kernel, the others the vector
+  // one.
   for (auto [heads, d, rows] : {std::tuple<int, int64_t, int64_t>{5, 80, 111},
                                 {6, 64, 111},
                                 {1, 128, 111},

@@ -1,4 +1,4 @@
-// Routes each op to its backend by the device of its first tensor.
+// Routes each op of op_table.inc to its backend by the device of one of its tensors.
 #include "rig/ops/cpu/cpu_ops.h"
 #include "rig/ops/ops.h"
 
@@ -31,6 +31,18 @@ void set_deterministic(bool on) {
 #endif
 }
 
+// The table's RIG_OP and RIG_OP_VIA rows: route by the device of `device_of`.
+#define RIG_OP(ret, name, category, device_of, params, args) \
+  ret name params {                                          \
+    RIG_DISPATCH_AS(category, device_of, name args);         \
+  }
+#define RIG_OP_VIA(ret, name, category, device_of, params, backend_call) \
+  ret name params {                                                      \
+    RIG_DISPATCH_AS(category, device_of, backend_call);                  \
+  }
+#include "rig/ops/op_table.inc"
+
+// The table's RIG_OP_CUSTOM rows, routed by hand.
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
   if (profiling()) {
     // Each product shape on its own line of the profile: m x n x k, the dtypes, accumulation.
@@ -46,70 +58,9 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float a
   }
   RIG_DISPATCH_AS("matmul", c, gemm(a, ta, b, tb, c, alpha, beta));
 }
-void gemm_plus(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& src, Tensor& out,
-               float alpha, float beta) {
-  RIG_DISPATCH_AS("matmul", out, gemm_plus(a, ta, b, tb, src, out, alpha, beta));
-}
-void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias) {
-  RIG_DISPATCH_AS("matmul", c, gemm_bias(a, ta, b, tb, c, bias));
-}
-void add_bias(Tensor& y, const Tensor& bias) { RIG_DISPATCH_AS("elementwise", y, add_bias(y, bias)); }
-void bias_backward(const Tensor& dy, Tensor& db) { RIG_DISPATCH_AS("elementwise", dy, bias_backward(dy, db)); }
-void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
-  RIG_DISPATCH_AS("elementwise", out, embedding_forward(ids, table, out));
-}
-void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
-  RIG_DISPATCH_AS("elementwise", dout, embedding_backward(ids, dout, dtable));
-}
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
-  RIG_DISPATCH_AS("norm", x, rmsnorm_forward(x, w, eps, y, rstd));
-}
-void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw) {
-  RIG_DISPATCH_AS("norm", x, rmsnorm_backward(dy, x, w, rstd, dx, dw));
-}
-void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                          Tensor& dh, Tensor* dh_copy, Tensor* dw) {
-  RIG_DISPATCH_AS("norm", x, rmsnorm_backward_add(dy, x, w, rstd, dh, dh_copy, dw));
-}
-void rope_forward(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads) {
-  RIG_DISPATCH_AS("elementwise", x, rope(x, pos, cos, sin, heads, false));
-}
-void rope_backward(Tensor& dx, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads) {
-  RIG_DISPATCH_AS("elementwise", dx, rope(dx, pos, cos, sin, heads, true));
-}
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
-                       Tensor& out, Tensor& lse) {
-  RIG_DISPATCH_AS("attention", q, attention_forward(q, k, v, seg, out, lse));
-}
-void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
-                        Tensor& dk, Tensor& dv) {
-  RIG_DISPATCH_AS("attention", q, attention_backward(dout, q, k, v, seg, out, lse, dq, dk, dv));
-}
-void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a) {
-  RIG_DISPATCH_AS("elementwise", g, swiglu_forward(g, u, a));
-}
-void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du) {
-  RIG_DISPATCH_AS("elementwise", g, swiglu_backward(da, g, u, dg, du));
-}
-double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
-                     Tensor* dlogits, int64_t* valid) {
-  RIG_DISPATCH_AS("loss", logits, cross_entropy(logits, targets, grad_scale, dlogits, valid));
-}
-void add_(Tensor& a, const Tensor& b, float alpha) { RIG_DISPATCH_AS("elementwise", a, add_(a, b, alpha)); }
-void scale_(Tensor& a, float s) { RIG_DISPATCH_AS("elementwise", a, scale_(a, s)); }
-double sum_squares(const Tensor& a) { RIG_DISPATCH_AS("optimizer", a, sum_squares(a)); }
 std::vector<double> sum_squares_list(const std::vector<Tensor>& ts) {
   if (ts.empty()) return {};
   RIG_DISPATCH_AS("optimizer", ts.front(), sum_squares_list(ts));
-}
-void cast(const Tensor& src, Tensor& dst) { RIG_DISPATCH_AS("elementwise", dst, cast(src, dst)); }
-void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out) {
-  RIG_DISPATCH_AS("elementwise", x, dropout(x, p, seed, out));
-}
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h) {
-  RIG_DISPATCH_AS("optimizer", param, adamw_step(param, grad, m, v, h));
 }
 void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale) {
   if (slots.empty()) return;

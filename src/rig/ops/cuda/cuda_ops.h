@@ -1,4 +1,5 @@
-// CUDA implementations behind ops.h (the same function list as cpu_ops.h).
+// CUDA implementations behind ops.h: one function per row of op_table.inc (as cpu_ops.h), and
+// the CUDA-only controls below.
 //
 // Dtype rules (every tensor contiguous and on one CUDA device):
 //  - Activations and their gradients may be F32 or BF16: gemm A/B/C, add_bias y, embedding out and
@@ -25,10 +26,11 @@ struct QuantizedWeight;
 }
 
 namespace rig::ops::cuda {
-void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta);
-void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, const Tensor& bias);
-void gemm_plus(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& src, Tensor& out,
-               float alpha, float beta);
+#define RIG_OP(ret, name, category, device_of, params, args) ret name params;
+#define RIG_OP_CUSTOM(ret, name, params) ret name params;
+#define RIG_BACKEND(ret, name, params) ret name params;
+#include "rig/ops/op_table.inc"
+
 // How many gemm_bias calls found no bias-epilogue algorithm and ran gemm + add_bias instead.
 int64_t gemm_bias_fallbacks();
 // Attention implementation: "auto" (default, or the RIG_ATTENTION environment variable): cuDNN's
@@ -43,37 +45,7 @@ const std::string& last_attention_impl(bool backward);
 // the same cuBLASLt algorithm in every process (no autotuning by timing).
 void set_deterministic(bool on);
 bool deterministic();
-void add_bias(Tensor& y, const Tensor& bias);
-void bias_backward(const Tensor& dy, Tensor& dbias);
-void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
-void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
-void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw);
-void rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                          Tensor& dh, Tensor* dh_copy, Tensor* dw);
-void rope(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, int heads,
-          bool backward);
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
-                       Tensor& out, Tensor& lse);
-void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
-                        Tensor& dk, Tensor& dv);
-void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& a);
-void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor& dg, Tensor& du);
-double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
-                     Tensor* dlogits, int64_t* valid);
-void add_(Tensor& a, const Tensor& b, float alpha);
-void scale_(Tensor& a, float s);
-double sum_squares(const Tensor& a);
-std::vector<double> sum_squares_list(const std::vector<Tensor>& ts);
-void cast(const Tensor& src, Tensor& dst);
-void dropout(const Tensor& x, float p, uint64_t seed, Tensor& out);
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& h);
-void adamw_step_list(std::vector<AdamWSlot>& slots, const AdamWParams& h, float grad_scale);
 // out (F32 or BF16, q's element count, on q's device) = the 4-bit weight decoded: double-quantized
 // absmax inline, f32(code[nibble] * absmax) rounded to q.dtype, then stored in out's dtype.
 void dequantize_4bit(const quant::QuantizedWeight& q, Tensor& out);
-int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs);
-uint64_t hash64(const std::vector<Tensor>& ts);
 }  // namespace rig::ops::cuda

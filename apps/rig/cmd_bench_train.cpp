@@ -43,9 +43,12 @@ rig::TrainConfig train_config(const Opts& o) {
     c.model = o.model;  // a bitsandbytes 4-bit folder loads as it is with --method qlora
   } else {
     c.init = "random";
-    c.architecture = {{"model_type", "llama"},          {"vocab_size", o.vocab},
-                      {"hidden_size", o.hidden},        {"intermediate_size", o.inter},
-                      {"num_hidden_layers", o.layers},  {"num_attention_heads", o.heads},
+    c.architecture = {{"model_type", "llama"},
+                      {"vocab_size", o.vocab},
+                      {"hidden_size", o.hidden},
+                      {"intermediate_size", o.inter},
+                      {"num_hidden_layers", o.layers},
+                      {"num_attention_heads", o.heads},
                       {"num_key_value_heads", o.kv_heads}};
     // A catalogue shape with plain RoPE, as bench/hf_baseline.py builds it, for side-by-side runs.
     if (!o.preset.empty()) c.architecture.update(rig::catalog_bench_config(o.preset, "--preset"));
@@ -111,7 +114,9 @@ int run(const Opts& o) {
   // Random tokens; every token trained, so each step's gradient is the batch's mean.
   std::mt19937_64 rng(1);
   rig::TokenBatch b{rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64),
-                    rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64), {}, {}};
+                    rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64),
+                    {},
+                    {}};
   for (int64_t i = 0; i < o.batch * o.seq; ++i)
     b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] =
         int64_t(rng() % uint64_t(mc.vocab_size));

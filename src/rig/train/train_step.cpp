@@ -84,15 +84,21 @@ StepResult TrainStep::accumulate(const std::vector<TokenBatch>& micro, int64_t t
   return sum;
 }
 
-bool TrainStep::nonfinite_grads() { return ops::count_bad_values(grads()) > 0; }
+bool TrainStep::nonfinite_grads() {
+  return ops::count_bad_values(grads()) > 0;
+}
 
 double TrainStep::grad_norm() {
   return shard_ ? shard_->clip_grad_norm(o_.max_grad_norm) : rig::grad_norm(params());
 }
 
-void TrainStep::apply(float lr, double norm) { opt_.clip_and_step(params(), lr, norm); }
+void TrainStep::apply(float lr, double norm) {
+  opt_.clip_and_step(params(), lr, norm);
+}
 
-std::vector<Param>& TrainStep::params() { return shard_ ? shard_->params() : model_.params(); }
+std::vector<Param>& TrainStep::params() {
+  return shard_ ? shard_->params() : model_.params();
+}
 
 std::vector<Tensor> TrainStep::grads() {
   std::vector<Tensor> g;

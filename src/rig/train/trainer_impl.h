@@ -79,7 +79,7 @@ class Trainer {
   enum class Attempt { Stepped, Retried, Stopped };
   Attempt step_once();
   struct GlobalBatch {
-    std::vector<TokenBatch> micro;  // this rank's micro-batches
+    std::vector<TokenBatch> micro;    // this rank's micro-batches
     int64_t trained = 0, tokens = 0;  // over every rank
   };
   // This rank's micro-batches, and the global counts; false when a rank asked to stop.

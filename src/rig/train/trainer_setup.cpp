@@ -291,8 +291,8 @@ void Trainer::check_resume_config() const {
         "{}: {} was written with a global batch of {} rows on {} rank(s), but here it is {} "
         "(micro_batch_size {} x gradient_accumulation_steps {} x {} rank(s)); change "
         "micro_batch_size or gradient_accumulation_steps so they match",
-        cfg_.source, ckpt_->dir, there, ckpt_->state.value("world", 1), here,
-        cfg_.micro_batch_size, cfg_.gradient_accumulation_steps, world_);
+        cfg_.source, ckpt_->dir, there, ckpt_->state.value("world", 1), here, cfg_.micro_batch_size,
+        cfg_.gradient_accumulation_steps, world_);
   bad_input(
       "{}: the configuration differs from the one that wrote {}; resume with the run's own "
       "config.yaml or start a new output_dir",
@@ -334,9 +334,9 @@ void Trainer::setup_strategy() {
                                           int(cfg_.dist.powersgd_rank), cfg_.seed);
   stepper_ = std::make_unique<TrainStep>(*model_, *opt_, ddp_.get(), shard_.get(),
                                          train_step_options(cfg_, rank_));
-  spikes_ = SpikeDetector(SpikeRule{cfg_.guard.spike_window, cfg_.guard.spike_warmup,
-                                    cfg_.guard.spike_k, cfg_.guard.spike_loss_ratio,
-                                    cfg_.guard.spike_grad_ratio});
+  spikes_ =
+      SpikeDetector(SpikeRule{cfg_.guard.spike_window, cfg_.guard.spike_warmup, cfg_.guard.spike_k,
+                              cfg_.guard.spike_loss_ratio, cfg_.guard.spike_grad_ratio});
 }
 
 void Trainer::restore(const LoadedCheckpoint& ck) {

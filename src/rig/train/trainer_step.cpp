@@ -76,7 +76,6 @@ void sum_over_ranks(dist::Communicator& comm, std::vector<float>& v) {
   std::copy(t.f32(), t.f32() + v.size(), v.begin());
 }
 
-
 }  // namespace
 
 [[noreturn]] void kill_self() {
@@ -181,8 +180,7 @@ Trainer::Attempt Trainer::step_once() {
         "step {}: the loss or the gradients are not finite (loss {}, gradient norm {}) and "
         "guard.skip_nonfinite is off; {}",
         next, loss, norm, last_checkpoint_words());
-  if (!guard_allows_update(next, nonfinite, spike, shard_check, shard_ref))
-    return Attempt::Retried;
+  if (!guard_allows_update(next, nonfinite, spike, shard_check, shard_ref)) return Attempt::Retried;
   skips_in_row_ = 0;
   // Sharded: clipped above already (the optimizer's max_grad_norm is 0 there).
   stepper_->apply(lr, norm);
@@ -288,9 +286,10 @@ bool Trainer::guard_allows_update(int64_t next, bool nonfinite, const std::optio
   ++skipped_total_;
   if (ddp_) ddp_->reset_compression();
   const std::string why =
-      spike ? fmt::format("{} {:.4g} spikes above {:.4g} and there is no checkpoint to roll back to",
-                          spike->metric, spike->value, spike->threshold)
-            : std::string("NaN/Inf in the loss or the gradients");
+      spike
+          ? fmt::format("{} {:.4g} spikes above {:.4g} and there is no checkpoint to roll back to",
+                        spike->metric, spike->value, spike->threshold)
+          : std::string("NaN/Inf in the loss or the gradients");
   event("skipped_step", next, {{"reason", why}, {"in_a_row", skips_in_row_}},
         fmt::format("step {}: skipped ({}); weights, optimizer and schedule unchanged, batch "
                     "consumed ({} in a row)",

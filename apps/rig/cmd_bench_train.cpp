@@ -2,6 +2,7 @@
 // shape (random tokens, no data set).
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -75,7 +76,7 @@ rig::TrainConfig train_config(const Opts& o) {
   return c;
 }
 
-int run(const Opts& o) {
+void check_flags(const Opts& o) {
   // Sizes are checked here, so a bad flag is one line naming it (not an internal check deep in
   // tensor allocation), and no run of zero steps prints a rate of 0/0.
   for (auto [flag, v] : {std::pair{"--steps", o.steps},
@@ -96,6 +97,43 @@ int run(const Opts& o) {
     rig::bad_input("--optimizer '{}' is not one of adamw, adamw8bit", o.optimizer);
   if (o.ckpt != "none" && o.ckpt != "full" && o.ckpt != "selective")
     rig::bad_input("--checkpointing '{}' is not one of none, full, selective", o.ckpt);
+}
+
+// Random tokens, every one trained, so each step's gradient is the batch's mean.
+rig::TokenBatch random_batch(int64_t batch, int64_t seq, int64_t vocab) {
+  std::mt19937_64 rng(1);
+  rig::TokenBatch b{rig::Tensor::empty({batch, seq}, rig::DType::I64),
+                    rig::Tensor::empty({batch, seq}, rig::DType::I64),
+                    {},
+                    {}};
+  for (int64_t i = 0; i < batch * seq; ++i)
+    b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % uint64_t(vocab));
+  return b;
+}
+
+// One step with every op's span recorded: where the step's time goes, per category and per op.
+nlohmann::json profile_step(rig::Device dev, const std::function<void()>& step,
+                            const std::string& trace) {
+  nlohmann::json breakdown;
+  rig::ops::profile_open(dev.is_cuda() ? dev.index : -1);
+  step();
+  const rig::ops::Profile p = rig::ops::profile_close();
+  for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
+  std::map<std::string, std::pair<double, int>> per_op;  // op -> (ms, calls)
+  for (const auto& s : p.spans) {
+    auto& [ms, calls] = per_op[s.op];
+    ms += s.end_ms - s.start_ms;
+    ++calls;
+  }
+  for (const auto& [op, v] : per_op) breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
+  breakdown["step_ms"] = p.wall_ms;
+  breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
+  if (!trace.empty()) rig::write_file_atomic(trace, p.chrome_trace());
+  return breakdown;
+}
+
+int run(const Opts& o) {
+  check_flags(o);
   const rig::Device dev = rig::Device::parse(o.device);
   const std::string precision =
       o.precision == "auto" ? (dev.is_cuda() ? "bf16" : "fp32") : o.precision;
@@ -111,16 +149,7 @@ int run(const Opts& o) {
   so.loss_chunk_rows = o.loss_chunk_rows.value_or(
       rig::loss_chunk_rows_for(mc.vocab_size, int64_t(rig::dtype_size(m->compute_dtype()))));
   rig::TrainStep step(*m, opt, nullptr, nullptr, so);
-  // Random tokens; every token trained, so each step's gradient is the batch's mean.
-  std::mt19937_64 rng(1);
-  rig::TokenBatch b{rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64),
-                    rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64),
-                    {},
-                    {}};
-  for (int64_t i = 0; i < o.batch * o.seq; ++i)
-    b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] =
-        int64_t(rng() % uint64_t(mc.vocab_size));
-  const std::vector<rig::TokenBatch> micro = {b};
+  const std::vector<rig::TokenBatch> micro = {random_batch(o.batch, o.seq, mc.vocab_size)};
   // As rig train's step: forward and backward, the guard's NaN/Inf scan, the norm, clip, AdamW.
   auto one_step = [&](int64_t s) {
     const double loss = step.accumulate(micro, 0, s).loss();
@@ -139,25 +168,11 @@ int run(const Opts& o) {
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= o.warmup) secs += dt;
   }
-  // One more step with every op's span recorded: where the step's time goes.
+  // One more step, profiled.
   nlohmann::json breakdown;
-  if (o.profile || !o.trace.empty()) {
-    rig::ops::profile_open(dev.is_cuda() ? dev.index : -1);
-    one_step(o.warmup + o.steps);
-    const rig::ops::Profile p = rig::ops::profile_close();
-    for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
-    std::map<std::string, std::pair<double, int>> per_op;  // op -> (ms, calls)
-    for (const auto& s : p.spans) {
-      auto& [ms, calls] = per_op[s.op];
-      ms += s.end_ms - s.start_ms;
-      ++calls;
-    }
-    for (const auto& [op, v] : per_op)
-      breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
-    breakdown["step_ms"] = p.wall_ms;
-    breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
-    if (!o.trace.empty()) rig::write_file_atomic(o.trace, p.chrome_trace());
-  }
+  if (o.profile || !o.trace.empty())
+    breakdown = profile_step(
+        dev, [&] { one_step(o.warmup + o.steps); }, o.trace);
   const double tokens = double(o.batch * o.seq * o.steps);
   const double n = double(m->num_parameters(false));
   // Model FLOPs as shared/bench counts them: the input embedding is a lookup, not a product.

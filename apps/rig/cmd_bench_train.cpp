@@ -4,8 +4,8 @@
 #include <cmath>
 #include <functional>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "command.h"

@@ -1,6 +1,8 @@
-// rig bench train: training tokens/s and peak memory of the engine on a model shape.
+// rig bench train: training tokens/s and peak memory of rig train's optimizer step on a model
+// shape (random tokens, no data set).
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -14,6 +16,8 @@
 #include "rig/model/loss_chunk.h"
 #include "rig/ops/profile.h"
 #include "rig/optim/adamw.h"
+#include "rig/train/train_step.h"
+#include "rig/train/trainer.h"
 
 namespace {
 
@@ -30,7 +34,49 @@ struct Opts {
   std::string trace;
 };
 
-int run(const Opts& o) {
+// The bench's shape and settings as the config rig train would read: a constant learning rate
+// and no dropout, so every step does the same work.
+rig::TrainConfig train_config(const Opts& o) {
+  rig::TrainConfig c;
+  c.source = "bench train";
+  c.seed = 1;
+  if (!o.model.empty()) {
+    c.model = o.model;  // a bitsandbytes 4-bit folder loads as it is with --method qlora
+  } else {
+    c.init = "random";
+    c.architecture = {{"model_type", "llama"},
+                      {"vocab_size", o.vocab},
+                      {"hidden_size", o.hidden},
+                      {"intermediate_size", o.inter},
+                      {"num_hidden_layers", o.layers},
+                      {"num_attention_heads", o.heads},
+                      {"num_key_value_heads", o.kv_heads}};
+    // A catalogue shape with plain RoPE, as bench/hf_baseline.py builds it, for side-by-side runs.
+    if (!o.preset.empty()) c.architecture.update(rig::catalog_bench_config(o.preset, "--preset"));
+  }
+  c.method = o.method;
+  c.lora.r = o.lora_r;
+  c.lora.alpha = 2.0 * o.lora_r;
+  c.lora.targets = rig::LoraConfig{}.targets;  // all
+  if (o.lora_targets != "all") {
+    c.lora.targets.clear();
+    for (size_t p = 0; p <= o.lora_targets.size();) {
+      size_t e = std::min(o.lora_targets.find(',', p), o.lora_targets.size());
+      c.lora.targets.push_back(o.lora_targets.substr(p, e - p));
+      p = e + 1;
+    }
+  }
+  c.optimizer.name = o.optimizer;
+  c.optimizer.lr = 1e-4;
+  c.schedule.name = "constant";
+  c.activation_checkpointing = o.ckpt;
+  c.recompute_layers = o.recompute_layers;
+  c.micro_batch_size = o.batch;
+  c.sequence_len = o.seq;
+  return c;
+}
+
+void check_flags(const Opts& o) {
   // Sizes are checked here, so a bad flag is one line naming it (not an internal check deep in
   // tensor allocation), and no run of zero steps prints a rate of 0/0.
   for (auto [flag, v] : {std::pair{"--steps", o.steps},
@@ -45,106 +91,94 @@ int run(const Opts& o) {
                          {"--lora-r", int64_t(o.lora_r)},
                          {"--loss-chunk-rows", o.loss_chunk_rows.value_or(1)}})
     if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
-  std::unique_ptr<rig::LlamaModel> m;
-  const bool qlora = o.method == "qlora";
-  if (!o.model.empty()) {
-    rig::LoadOptions lo;
-    lo.quantize = qlora;  // a bitsandbytes 4-bit folder loads as it is
-    m = rig::LlamaModel::load(o.model, lo);
-  } else {
-    nlohmann::json j = {{"model_type", "llama"},          {"vocab_size", o.vocab},
-                        {"hidden_size", o.hidden},        {"intermediate_size", o.inter},
-                        {"num_hidden_layers", o.layers},  {"num_attention_heads", o.heads},
-                        {"num_key_value_heads", o.kv_heads}};
-    // A catalogue shape with plain RoPE, as bench/hf_baseline.py builds it, for side-by-side runs.
-    if (!o.preset.empty()) j.update(rig::catalog_bench_config(o.preset, "--preset"));
-    // QLoRA: NF4, blocks of 64, double quantization, each weight quantized as it is drawn (a 70B
-    // shape never exists in float32).
-    rig::LoadOptions lo;
-    lo.quantize = qlora;
-    m = rig::LlamaModel::random(rig::ModelConfig::from_json(j, "bench shape"), 1, lo);
-  }
-  if (o.method == "lora" || qlora) {
-    rig::LoraConfig lc;
-    lc.r = o.lora_r;
-    lc.alpha = float(2 * o.lora_r);
-    if (o.lora_targets != "all") {
-      lc.targets.clear();
-      for (size_t p = 0; p <= o.lora_targets.size();) {
-        size_t e = std::min(o.lora_targets.find(',', p), o.lora_targets.size());
-        lc.targets.push_back(o.lora_targets.substr(p, e - p));
-        p = e + 1;
-      }
-    }
-    m->add_lora(lc, 1);
-  } else if (o.method != "full") {
+  if (o.method != "full" && o.method != "lora" && o.method != "qlora")
     rig::bad_input("--method '{}' is not one of full, lora, qlora", o.method);
-  }
-  const rig::Device dev = rig::Device::parse(o.device);
-  const std::string precision = o.precision == "auto" ? (dev.is_cuda() ? "bf16" : "fp32") : o.precision;
-  if (precision != "bf16" && precision != "fp32") rig::bad_input("--precision '{}' is not one of auto, bf16, fp32", o.precision);
-  m->set_compute_dtype(precision == "bf16" ? rig::DType::BF16 : rig::DType::F32);
-  m->to_device(dev);
-  const auto& cfg = m->config();
-  std::mt19937_64 rng(1);
-  rig::TokenBatch b{rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64),
-                    rig::Tensor::empty({o.batch, o.seq}, rig::DType::I64), {}, {}};
-  for (int64_t i = 0; i < o.batch * o.seq; ++i)
-    b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % uint64_t(cfg.vocab_size));
   if (o.optimizer != "adamw" && o.optimizer != "adamw8bit")
     rig::bad_input("--optimizer '{}' is not one of adamw, adamw8bit", o.optimizer);
-  rig::OptimizerConfig oc;
-  oc.eight_bit = o.optimizer == "adamw8bit";
-  rig::AdamW opt(oc);
-  rig::StepOptions so;
   if (o.ckpt != "none" && o.ckpt != "full" && o.ckpt != "selective")
     rig::bad_input("--checkpointing '{}' is not one of none, full, selective", o.ckpt);
-  so.checkpointing = o.ckpt == "full"        ? rig::Checkpointing::Full
-                     : o.ckpt == "selective" ? rig::Checkpointing::Selective
-                                             : rig::Checkpointing::None;
-  so.recompute_layers = o.recompute_layers;
-  so.loss_chunk_rows = o.loss_chunk_rows.value_or(rig::loss_chunk_rows_for(
-      m->config().vocab_size, int64_t(rig::dtype_size(m->compute_dtype()))));
+}
+
+// Random tokens, every one trained, so each step's gradient is the batch's mean.
+rig::TokenBatch random_batch(int64_t batch, int64_t seq, int64_t vocab) {
+  std::mt19937_64 rng(1);
+  rig::TokenBatch b{rig::Tensor::empty({batch, seq}, rig::DType::I64),
+                    rig::Tensor::empty({batch, seq}, rig::DType::I64),
+                    {},
+                    {}};
+  for (int64_t i = 0; i < batch * seq; ++i)
+    b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % uint64_t(vocab));
+  return b;
+}
+
+// One step with every op's span recorded: where the step's time goes, per category and per op.
+nlohmann::json profile_step(rig::Device dev, const std::function<void()>& step,
+                            const std::string& trace) {
+  nlohmann::json breakdown;
+  rig::ops::profile_open(dev.is_cuda() ? dev.index : -1);
+  step();
+  const rig::ops::Profile p = rig::ops::profile_close();
+  for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
+  std::map<std::string, std::pair<double, int>> per_op;  // op -> (ms, calls)
+  for (const auto& s : p.spans) {
+    auto& [ms, calls] = per_op[s.op];
+    ms += s.end_ms - s.start_ms;
+    ++calls;
+  }
+  for (const auto& [op, v] : per_op) breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
+  breakdown["step_ms"] = p.wall_ms;
+  breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
+  if (!trace.empty()) rig::write_file_atomic(trace, p.chrome_trace());
+  return breakdown;
+}
+
+int run(const Opts& o) {
+  check_flags(o);
+  const rig::Device dev = rig::Device::parse(o.device);
+  const std::string precision =
+      o.precision == "auto" ? (dev.is_cuda() ? "bf16" : "fp32") : o.precision;
+  if (precision != "bf16" && precision != "fp32")
+    rig::bad_input("--precision '{}' is not one of auto, bf16, fp32", o.precision);
+  // What rig train builds for one optimizer step: the model, the optimizer and the step itself.
+  const rig::TrainConfig cfg = train_config(o);
+  std::unique_ptr<rig::LlamaModel> m = rig::build_model(cfg);
+  rig::place_model(*m, cfg, dev, precision);
+  const auto& mc = m->config();
+  rig::AdamW opt(rig::optimizer_config(cfg, false));
+  rig::TrainStepOptions so = rig::train_step_options(cfg, 0);
+  so.loss_chunk_rows = o.loss_chunk_rows.value_or(
+      rig::loss_chunk_rows_for(mc.vocab_size, int64_t(rig::dtype_size(m->compute_dtype()))));
+  rig::TrainStep step(*m, opt, nullptr, nullptr, so);
+  const std::vector<rig::TokenBatch> micro = {random_batch(o.batch, o.seq, mc.vocab_size)};
+  // As rig train's step: forward and backward, the guard's NaN/Inf scan, the norm, clip, AdamW.
+  auto one_step = [&](int64_t s) {
+    const double loss = step.accumulate(micro, 0, s).loss();
+    if (!std::isfinite(loss)) rig::fail("step {}: the loss is {}", s, loss);
+    if (step.nonfinite_grads()) rig::fail("step {}: NaN/Inf in the gradients", s);
+    step.apply(float(cfg.optimizer.lr), step.grad_norm());
+    return loss;
+  };
   auto& alloc = rig::allocator_for(dev);
   double secs = 0;
   std::vector<double> losses;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) alloc.reset_peak();
     auto t0 = std::chrono::steady_clock::now();
-    m->zero_grad();
-    losses.push_back(m->step(b, so).loss());
-    if (!std::isfinite(losses.back())) rig::fail("step {}: the loss is {}", s, losses.back());
-    opt.clip_and_step(m->params(), 1e-4f);
+    losses.push_back(one_step(s));
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= o.warmup) secs += dt;
   }
-  // One more step with every op's span recorded: where the step's time goes.
+  // One more step, profiled.
   nlohmann::json breakdown;
-  if (o.profile || !o.trace.empty()) {
-    rig::ops::profile_open(dev.is_cuda() ? dev.index : -1);
-    m->zero_grad();
-    m->step(b, so);
-    opt.clip_and_step(m->params(), 1e-4f);
-    const rig::ops::Profile p = rig::ops::profile_close();
-    for (const auto& [cat, ms] : p.category_ms) breakdown[cat + "_ms"] = ms;
-    std::map<std::string, std::pair<double, int>> per_op;  // op -> (ms, calls)
-    for (const auto& s : p.spans) {
-      auto& [ms, calls] = per_op[s.op];
-      ms += s.end_ms - s.start_ms;
-      ++calls;
-    }
-    for (const auto& [op, v] : per_op)
-      breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
-    breakdown["step_ms"] = p.wall_ms;
-    breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
-    if (!o.trace.empty()) rig::write_file_atomic(o.trace, p.chrome_trace());
-  }
+  if (o.profile || !o.trace.empty())
+    breakdown = profile_step(
+        dev, [&] { one_step(o.warmup + o.steps); }, o.trace);
   const double tokens = double(o.batch * o.seq * o.steps);
   const double n = double(m->num_parameters(false));
   // Model FLOPs as shared/bench counts them: the input embedding is a lookup, not a product.
-  const double n_mat = cfg.tie_word_embeddings ? n : n - double(cfg.vocab_size * cfg.hidden_size);
+  const double n_mat = mc.tie_word_embeddings ? n : n - double(mc.vocab_size * mc.hidden_size);
   const double flops_per_token = (o.method == "full" ? 6.0 : 4.0) * n_mat +
-                                 12.0 * double(cfg.num_layers * cfg.hidden_size * o.seq);
+                                 12.0 * double(mc.num_layers * mc.hidden_size * o.seq);
   nlohmann::json r = {{"device", dev.str()},
                       {"precision", precision},
                       {"method", o.method},

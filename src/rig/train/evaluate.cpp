@@ -1,0 +1,127 @@
+// Held-out evaluation and generation: the loss over held-out batches, and greedy or sampled
+// generation with exact match against the trained tokens (shared by rig train, eval, generate).
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "rig/train/trainer_impl.h"
+
+namespace rig {
+
+namespace {
+
+std::string describe(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  std::string s = tok.decode(ids, DecodeOptions{true});
+  std::string out;
+  for (char ch : s) {
+    if (ch == '\n') {
+      if (!out.empty() && out.back() != ' ') out += ' ';
+    } else {
+      out += ch;
+    }
+  }
+  while (!out.empty() && out.back() == ' ') out.pop_back();
+  return out;
+}
+
+}  // namespace
+
+std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+                              const GenerateOptions& opt) {
+  RIG_CHECK(!prompt.empty(), "generate needs a non-empty prompt");
+  auto cache = model.new_cache(int64_t(prompt.size()) + opt.max_new_tokens + 1);
+  std::vector<float> logits =
+      model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
+  const size_t limit =
+      opt.vocab_limit > 0 ? std::min(logits.size(), size_t(opt.vocab_limit)) : logits.size();
+  std::mt19937_64 rng(opt.seed);
+  std::vector<int32_t> out;
+  for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
+    logits.resize(limit);
+    int32_t next = 0;
+    if (opt.temperature <= 0) {
+      next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {
+      // Softmax with temperature, then nucleus (top-p) sampling.
+      std::vector<std::pair<float, int32_t>> p;
+      float mx = *std::max_element(logits.begin(), logits.end());
+      double sum = 0;
+      for (size_t i = 0; i < logits.size(); ++i) {
+        float e = std::exp((logits[i] - mx) / opt.temperature);
+        p.emplace_back(e, int32_t(i));
+        sum += e;
+      }
+      std::sort(p.begin(), p.end(), std::greater<>());
+      double keep = 0;
+      size_t k = 0;
+      while (k < p.size() && keep < opt.top_p * sum) keep += p[k++].first;
+      std::uniform_real_distribution<double> u(0, keep);
+      double r = u(rng), acc = 0;
+      next = p[k - 1].second;
+      for (size_t i = 0; i < k; ++i)
+        if ((acc += p[i].first) >= r) {
+          next = p[i].second;
+          break;
+        }
+    }
+    out.push_back(next);
+    if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) break;
+    logits = model.decode(cache, {next});
+  }
+  return out;
+}
+
+EvalResult evaluate(LlamaModel& model, const TokenDataset& data, int64_t seq_len,
+                    int64_t micro_batch, int64_t max_batches) {
+  EvalResult r;
+  auto shared = std::shared_ptr<const TokenDataset>(&data, [](const TokenDataset*) {});
+  LoaderOptions lo;
+  lo.seq_len = seq_len;
+  lo.micro_batch = micro_batch;
+  lo.pack = false;
+  DataLoader loader(shared, lo);
+  // One pass over the held-out samples (the last batch may repeat a few from the start).
+  const int64_t batches = (int64_t(loader.samples_per_epoch()) + micro_batch - 1) / micro_batch;
+  double loss_sum = 0;
+  StepOptions so;
+  so.backward = false;
+  for (int64_t i = 0; i < batches && (max_batches <= 0 || i < max_batches); ++i) {
+    auto res = model.step(to_token_batch(loader.next()), so);
+    loss_sum += res.loss_sum;
+    r.tokens += res.tokens;
+  }
+  r.loss = r.tokens ? loss_sum / double(r.tokens) : 0;
+  return r;
+}
+
+EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokenizer& tok, int64_t n,
+                       int64_t show) {
+  EvalResult r;
+  int64_t done = 0, hits = 0;
+  for (size_t i = 0; i < data.size() && done < n; ++i) {
+    auto ids = data.ids(i);
+    auto train = data.train(i);
+    size_t f = 0;
+    while (f < train.size() && !train[f]) ++f;
+    if (f == 0 || f == train.size()) continue;
+    size_t e = f;
+    while (e < train.size() && train[e]) ++e;
+    std::vector<int32_t> prompt(ids.begin(), ids.begin() + long(f)),
+        want(ids.begin() + long(f), ids.begin() + long(e));
+    GenerateOptions go;
+    go.max_new_tokens = int64_t(want.size());
+    go.stop_ids = {want.back()};
+    go.vocab_limit = tok.vocab_size();
+    auto got = generate(model, prompt, go);
+    bool ok = got == want;
+    hits += ok;
+    ++done;
+    if (int64_t(r.samples.size()) < show)
+      r.samples.push_back(fmt::format("{} -> {} ({})", describe(tok, prompt), describe(tok, got),
+                                      ok ? "correct" : "expected " + describe(tok, want)));
+  }
+  r.exact_match = done ? double(hits) / double(done) : -1;
+  return r;
+}
+
+}  // namespace rig

@@ -25,9 +25,10 @@ std::vector<BackendCase> backend_cases() {
   return v;
 }
 
-// Compares every output; one line per case with the errors, one failure per output off.
-void check(const OpCase& c, const char* phase, DType dt, const Device& dev, const Tensors& want,
-           const Tensors& got, std::string& summary) {
+// Compares every output; one line per case with the errors, one failure per output off. `in`:
+// what the outputs were computed from (for the cases' term sizes).
+void check(const OpCase& c, const char* phase, DType dt, const Device& dev, const Tensors& in,
+           const Tensors& want, const Tensors& got, std::string& summary) {
   for (const auto& [name, w] : want) {
     const std::string where = fmt::format("{} [{}] {} on {}: {} output '{}'", c.op, c.shape,
                                           dtype_str(dt), dev.str(), phase, name);
@@ -38,7 +39,9 @@ void check(const OpCase& c, const char* phase, DType dt, const Device& dev, cons
     }
     const double tol =
         c.exact.count(name) ? 0.0 : tolerance(c.f32_outputs.count(name) ? DType::F32 : dt);
-    const Compared r = compare(it->second, w, tol);
+    std::vector<double> terms;
+    if (auto ts = c.term_size.find(name); ts != c.term_size.end()) terms = ts->second(in);
+    const Compared r = compare(it->second, w, tol, terms.empty() ? nullptr : &terms);
     summary += fmt::format(" {}:{}={:.2g}/{:.2g}", phase, name, r.err, r.tol);
     if (!r.failure.empty()) ADD_FAILURE() << where << ": " << r.failure;
   }
@@ -58,7 +61,7 @@ TEST_P(OpBackend, MatchesTheCpuOracle) {
   const Tensors din = place_inputs(c, in, dev);
   const Tensors got = c.forward(din, dev);
   std::string summary;
-  check(c, "forward", dt, dev.dev, want, got, summary);
+  check(c, "forward", dt, dev.dev, in, want, got, summary);
   if (c.backward) {
     Tensors bin = in, bdin = din;
     for (const auto& [name, w] : want) {
@@ -67,7 +70,7 @@ TEST_P(OpBackend, MatchesTheCpuOracle) {
       bin.emplace(name, saved);
       bdin.emplace(name, place(saved, odt, dev.dev));
     }
-    check(c, "backward", dt, dev.dev, c.backward(bin, cpu), c.backward(bdin, dev), summary);
+    check(c, "backward", dt, dev.dev, bin, c.backward(bin, cpu), c.backward(bdin, dev), summary);
   }
   std::printf("%s [%s] %s:%s\n", c.op.c_str(), c.shape.c_str(), dtype_str(dt), summary.c_str());
 }

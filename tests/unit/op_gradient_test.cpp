@@ -135,6 +135,14 @@ TEST(OpHarnessComparison, CatchesWrongOutputs) {
   Tensor near = want.clone();
   near.f32()[0] = std::nextafter(near.f32()[0], 1e9f);
   EXPECT_FALSE(compare(near, want, 0).failure.empty());
+  // A sum that cancelled: relative to its terms, float32 rounding of them passes; relative to the
+  // result it would not, and an error of the terms' own size still fails.
+  Tensor small = Tensor::from_f32({1e-3f}, {1}), off = Tensor::from_f32({1e-3f + 1e-6f}, {1}),
+         wrong = Tensor::from_f32({0.5f}, {1});
+  const std::vector<double> terms{1.0};
+  EXPECT_FALSE(compare(off, small, tolerance(DType::F32)).failure.empty());
+  EXPECT_TRUE(compare(off, small, tolerance(DType::F32), &terms).failure.empty());
+  EXPECT_FALSE(compare(wrong, small, tolerance(DType::F32), &terms).failure.empty());
 }
 
 // Every case has a unique test name, and every op of the table that the harness can compare by

@@ -154,8 +154,9 @@ Trainer::Attempt Trainer::step_once() {
   if (nan_fault) poison_first_element(stepper_->grads());
   if (kill_fault) kill_self();
   // The guard reads the gradients once, before anything is updated: NaN/Inf anywhere (on any
-  // rank: the flag rides on the loss's all-reduce).
-  bool bad_grads = stepper_->nonfinite_grads();
+  // rank: the flag rides on the loss's all-reduce). On one rank the gradient norm below finds
+  // them as well (a NaN or Inf makes the sum of squares NaN or Inf), so no separate pass.
+  bool bad_grads = comm_ && stepper_->nonfinite_grads();
   if (comm_) {
     std::vector<float> v(5);
     v[0] = float(r.loss_sum);

@@ -123,6 +123,39 @@ TrainResult train_one(const TrainConfig& c, const std::function<bool()>& stop = 
   return train(c, h);
 }
 
+// Hooks that stop every rank after n optimizer steps (each stop saves a checkpoint first).
+std::function<TrainHooks(int)> stop_after(int n) {
+  return [n](int) {
+    TrainHooks h;
+    auto polls = std::make_shared<int>(0);
+    h.should_stop = [polls, n] { return ++*polls > n; };
+    return h;
+  };
+}
+
+// A run resharded twice: `first` ranks stop after 2 steps, `second` ranks continue to step 4, one
+// process finishes all `steps`. cfg(world) is the run's config on that many ranks; `check` looks
+// at the first checkpoint.
+void reshard_run(const std::string& run, int64_t steps, int first, int second,
+                 const std::function<TrainConfig(int world)>& cfg,
+                 const std::function<void(const std::string& ck_dir)>& check = {}) {
+  auto shard_file = [](const std::string& dir, int world) {
+    return fmt::format("{}/shard-{}-of-{}.safetensors", dir, world - 1, world);
+  };
+  auto rs = train_ranks(first, [&](int) { return cfg(first); }, stop_after(2));
+  EXPECT_TRUE(rs[0].interrupted);
+  auto ck = latest_checkpoint(run);
+  ASSERT_TRUE(ck);
+  EXPECT_EQ(ck->step, 2);
+  EXPECT_TRUE(fs::exists(shard_file(ck->dir, first)));
+  EXPECT_TRUE(verify_checkpoint(ck->dir).ok()) << verify_checkpoint(ck->dir).to_text();
+  if (check) check(ck->dir);
+  train_ranks(second, [&](int) { return cfg(second); }, stop_after(2));
+  EXPECT_EQ(latest_checkpoint(run)->step, 4);
+  EXPECT_TRUE(fs::exists(shard_file(latest_checkpoint(run)->dir, second)));
+  EXPECT_EQ(train_one(cfg(1)).steps, steps);
+}
+
 std::string final_file(const std::string& run, const std::string& method) {
   return run + (method == "full" ? "/final/model.safetensors" : "/final/adapter_model.safetensors");
 }
@@ -284,37 +317,22 @@ TEST(Parallel, ShardedQloraCheckpointResumesOnOtherWorldSizes) {
   const std::string base = test::temp_dir("par_reshard_qlora");
   const int64_t steps = 6;
   train_one(tiny(base + "/ref", "qlora", "sharded", 1, steps));
-  auto stop_after = [](int n) {
-    return [n](int) {
-      TrainHooks h;
-      auto polls = std::make_shared<int>(0);
-      h.should_stop = [polls, n] { return ++*polls > n; };
-      return h;
-    };
-  };
   // 2 ranks stop after 2 steps, 4 ranks continue to 4, one process finishes.
   const std::string run = base + "/run";
-  train_ranks(
-      2, [&](int) { return tiny(run, "qlora", "sharded", 2, steps); }, stop_after(2));
-  auto ck = latest_checkpoint(run);
-  ASSERT_TRUE(ck);
-  EXPECT_EQ(ck->step, 2);
-  EXPECT_TRUE(verify_checkpoint(ck->dir).ok()) << verify_checkpoint(ck->dir).to_text();
-  // The shards hold the adapters and their optimizer state, never the 4-bit base (it is rebuilt
-  // from the model folder); the layout names the 4-bit units.
-  auto f = SafeTensorsFile::open(ck->dir + "/shard-1-of-2.safetensors");
-  for (const auto& t : f.tensors()) EXPECT_EQ(t.name.find("frozen"), std::string::npos) << t.name;
-  bool four_bit_unit = false;
-  const nlohmann::json layout = load_checkpoint(ck->dir).state["sharded"];
-  for (const auto& u : layout["units"])
-    if (u.value("four_bit", false) && u["name"] == "layer.1.frozen_4bit") four_bit_unit = true;
-  EXPECT_TRUE(four_bit_unit);
-  train_ranks(
-      4, [&](int) { return tiny(run, "qlora", "sharded", 4, steps); }, stop_after(2));
-  EXPECT_EQ(latest_checkpoint(run)->step, 4);
-  EXPECT_TRUE(fs::exists(latest_checkpoint(run)->dir + "/shard-3-of-4.safetensors"));
-  auto r1 = train_one(tiny(run, "qlora", "sharded", 1, steps));
-  EXPECT_EQ(r1.steps, steps);
+  reshard_run(
+      run, steps, 2, 4, [&](int world) { return tiny(run, "qlora", "sharded", world, steps); },
+      [](const std::string& dir) {
+        // The shards hold the adapters and their optimizer state, never the 4-bit base (it is
+        // rebuilt from the model folder); the layout names the 4-bit units.
+        auto f = SafeTensorsFile::open(dir + "/shard-1-of-2.safetensors");
+        for (const auto& t : f.tensors())
+          EXPECT_EQ(t.name.find("frozen"), std::string::npos) << t.name;
+        bool four_bit_unit = false;
+        const nlohmann::json layout = load_checkpoint(dir).state["sharded"];
+        for (const auto& u : layout["units"])
+          if (u.value("four_bit", false) && u["name"] == "layer.1.frozen_4bit") four_bit_unit = true;
+        EXPECT_TRUE(four_bit_unit);
+      });
   expect_close_runs(base + "/ref", run, "qlora", size_t(steps), abs_tolerance("qlora"));
 }
 
@@ -549,32 +567,16 @@ TEST(Parallel, Sharded8BitCheckpointResumesOnOtherWorldSizes) {
   const std::string base = test::temp_dir("par_8bit_reshard");
   const int64_t steps = 6;
   train_one(tiny8(base + "/ref", "full", 1, steps));
-  auto stop_after = [](int n) {
-    return [n](int) {
-      TrainHooks h;
-      auto polls = std::make_shared<int>(0);
-      h.should_stop = [polls, n] { return ++*polls > n; };
-      return h;
-    };
-  };
   // 2 ranks stop after 2 steps, 4 ranks continue to 4, one process finishes.
   const std::string run = base + "/run";
-  train_ranks(
-      2, [&](int) { return tiny8(run, "full", 2, steps); }, stop_after(2));
-  auto ck = latest_checkpoint(run);
-  ASSERT_TRUE(ck);
-  EXPECT_EQ(ck->step, 2);
-  EXPECT_TRUE(verify_checkpoint(ck->dir).ok()) << verify_checkpoint(ck->dir).to_text();
-  auto f = SafeTensorsFile::open(ck->dir + "/shard-0-of-2.safetensors");
-  EXPECT_TRUE(f.has("adamw8bit.mq.layer.0.decay"));
-  EXPECT_TRUE(f.has("adamw.m.layer.0.decay")) << "k_proj and v_proj keep float32 moments";
-  EXPECT_EQ(load_checkpoint(ck->dir).state["sharded"]["units"][0].value("align", 0), 256);
-  train_ranks(
-      4, [&](int) { return tiny8(run, "full", 4, steps); }, stop_after(2));
-  EXPECT_EQ(latest_checkpoint(run)->step, 4);
-  EXPECT_TRUE(fs::exists(latest_checkpoint(run)->dir + "/shard-3-of-4.safetensors"));
-  auto r1 = train_one(tiny8(run, "full", 1, steps));
-  EXPECT_EQ(r1.steps, steps);
+  reshard_run(
+      run, steps, 2, 4, [&](int world) { return tiny8(run, "full", world, steps); },
+      [](const std::string& dir) {
+        auto f = SafeTensorsFile::open(dir + "/shard-0-of-2.safetensors");
+        EXPECT_TRUE(f.has("adamw8bit.mq.layer.0.decay"));
+        EXPECT_TRUE(f.has("adamw.m.layer.0.decay")) << "k_proj and v_proj keep float32 moments";
+        EXPECT_EQ(load_checkpoint(dir).state["sharded"]["units"][0].value("align", 0), 256);
+      });
   RunDiff d = diff_runs(base + "/ref", run, "full", size_t(steps));
   std::printf(
       "[ 8-bit  ] resumed 2 -> 4 -> 1 ranks: losses within %.3g, weights within %.3g (%lld "
@@ -628,28 +630,8 @@ TEST(Parallel, ShardedCheckpointResumesOnOtherWorldSizes) {
 
   // 4 ranks stop after 2 steps, 2 ranks continue to 4, one process finishes.
   const std::string run = base + "/run";
-  auto stop_after = [](int n) {
-    return [n](int) {
-      TrainHooks h;
-      auto polls = std::make_shared<int>(0);
-      h.should_stop = [polls, n] { return ++*polls > n; };
-      return h;
-    };
-  };
-  auto r4 = train_ranks(
-      4, [&](int) { return tiny(run, "full", "sharded", 4, steps); }, stop_after(2));
-  EXPECT_TRUE(r4[0].interrupted);
-  auto ck = latest_checkpoint(run);
-  ASSERT_TRUE(ck);
-  EXPECT_EQ(ck->step, 2);
-  EXPECT_TRUE(fs::exists(ck->dir + "/shard-3-of-4.safetensors"));
-  EXPECT_TRUE(verify_checkpoint(ck->dir).ok()) << verify_checkpoint(ck->dir).to_text();
-  auto r2 = train_ranks(
-      2, [&](int) { return tiny(run, "full", "sharded", 2, steps); }, stop_after(2));
-  EXPECT_EQ(latest_checkpoint(run)->step, 4);
-  EXPECT_TRUE(fs::exists(latest_checkpoint(run)->dir + "/shard-1-of-2.safetensors"));
-  auto r1 = train_one(tiny(run, "full", "sharded", 1, steps));
-  EXPECT_EQ(r1.steps, steps);
+  reshard_run(run, steps, 4, 2,
+              [&](int world) { return tiny(run, "full", "sharded", world, steps); });
   expect_close_runs(base + "/ref", run, "full", size_t(steps));
 
   // And a one-process checkpoint resumed sharded on 2 ranks.

@@ -190,6 +190,27 @@ void expect_close_runs(const std::string& ref, const std::string& got, const std
   EXPECT_LE(worst, 1.0) << where;
 }
 
+// The guard on 2 sharded ranks (replica checks and saves every 2 steps): a NaN gradient at step 3
+// is skipped with no rollback, and the fault `flip` rolls back once and the run ends as the clean
+// one. cfg(dir, overrides) is the run's config. Returns the flipped run's log.
+std::string expect_guard_recovers(
+    const std::string& base, int64_t steps, const std::string& method, const std::string& flip,
+    const std::function<TrainConfig(const std::string&, std::vector<std::string>)>& cfg) {
+  auto with = [](std::vector<std::string> more) {
+    more.insert(more.end(), {"guard.replica_check_every=2", "save.every=2"});
+    return more;
+  };
+  train_ranks(2, [&](int) { return cfg(base + "/ref", with({})); });
+  auto nan = train_ranks(2, [&](int) { return cfg(base + "/nan", with({"inject=[nan-grad@3]"})); });
+  EXPECT_EQ(nan[0].skipped_steps, 1);
+  EXPECT_EQ(nan[0].rollbacks, 0) << read_file(base + "/nan/train.log");
+  auto flipped = train_ranks(2, [&](int) { return cfg(base + "/flip", with({flip})); });
+  const std::string log = read_file(base + "/flip/train.log");
+  EXPECT_EQ(flipped[0].rollbacks, 1) << log;
+  expect_close_runs(base + "/ref", base + "/flip", method, size_t(steps), 0);
+  return log;
+}
+
 // The absolute part of expect_close_runs' tolerance. QLoRA: one LoRA A element of the tiny run
 // (down_proj, layer 1) moves 1.4e-6 with the reduction order, under ddp as under sharded (which
 // agree with each other within 0.25 of the LoRA tolerance), so 2e-6.
@@ -342,27 +363,13 @@ TEST(Parallel, ShardedQloraGuardSkipsANanStepAndReloadsFlippedFrozenShards) {
   // model folder, 4-bit units included, and the run ends as a clean one.
   const std::string base = test::temp_dir("par_qlora_guard");
   const int64_t steps = 6;
-  const std::vector<std::string> guard = {"guard.replica_check_every=2", "save.every=2"};
-  auto with = [&](std::vector<std::string> more) {
-    more.insert(more.end(), guard.begin(), guard.end());
-    return more;
-  };
-  train_ranks(2,
-              [&](int) { return tiny(base + "/ref", "qlora", "sharded", 2, steps, 2, 8, guard); });
-  auto nan = train_ranks(2, [&](int) {
-    return tiny(base + "/nan", "qlora", "sharded", 2, steps, 2, 8, with({"inject=[nan-grad@3]"}));
-  });
-  EXPECT_EQ(nan[0].skipped_steps, 1);
-  EXPECT_EQ(nan[0].rollbacks, 0) << read_file(base + "/nan/train.log");
-  auto flip = train_ranks(2, [&](int) {
-    return tiny(base + "/flip", "qlora", "sharded", 2, steps, 2, 8,
-                with({"inject=[bit-flip-frozen@3]"}));
-  });
-  EXPECT_EQ(flip[0].rollbacks, 1) << read_file(base + "/flip/train.log");
+  const std::string log =
+      expect_guard_recovers(base, steps, "qlora", "inject=[bit-flip-frozen@3]",
+                            [&](const std::string& dir, std::vector<std::string> more) {
+                              return tiny(dir, "qlora", "sharded", 2, steps, 2, 8, more);
+                            });
   // The flip hit the 4-bit bytes, the bulk of what QLoRA keeps frozen.
-  EXPECT_NE(read_file(base + "/flip/train.log").find("a byte of frozen 4-bit weights"),
-            std::string::npos);
-  expect_close_runs(base + "/ref", base + "/flip", "qlora", size_t(steps), 0);
+  EXPECT_NE(log.find("a byte of frozen 4-bit weights"), std::string::npos);
 }
 
 TEST(Parallel, ShardedWithActivationCheckpointingMatchesOneRank) {
@@ -603,22 +610,10 @@ TEST(Parallel, Sharded8BitGuardSkipsANanStepAndRollsBackAFlippedShard) {
   // and the run ends as the clean one.
   const std::string base = test::temp_dir("par_8bit_guard");
   const int64_t steps = 6;
-  const std::vector<std::string> guard = {"guard.replica_check_every=2", "save.every=2"};
-  auto with = [&](std::vector<std::string> more) {
-    more.insert(more.end(), guard.begin(), guard.end());
-    return more;
-  };
-  train_ranks(2, [&](int) { return tiny8(base + "/ref", "full", 2, steps, guard); });
-  auto nan = train_ranks(2, [&](int) {
-    return tiny8(base + "/nan", "full", 2, steps, with({"inject=[nan-grad@3]"}));
-  });
-  EXPECT_EQ(nan[0].skipped_steps, 1);
-  EXPECT_EQ(nan[0].rollbacks, 0) << read_file(base + "/nan/train.log");
-  auto flip = train_ranks(2, [&](int) {
-    return tiny8(base + "/flip", "full", 2, steps, with({"inject=[bit-flip@4:1]"}));
-  });
-  EXPECT_EQ(flip[0].rollbacks, 1) << read_file(base + "/flip/train.log");
-  expect_close_runs(base + "/ref", base + "/flip", "full", size_t(steps), 0);
+  expect_guard_recovers(base, steps, "full", "inject=[bit-flip@4:1]",
+                        [&](const std::string& dir, std::vector<std::string> more) {
+                          return tiny8(dir, "full", 2, steps, std::move(more));
+                        });
 }
 
 // ---- sharded checkpoints across world sizes -----------------------------------------------------

@@ -3,6 +3,7 @@
 // column-major C^T = op(B)^T op(A)^T, so no data moves. One handle and one workspace per device;
 // the heuristic's choice is cached per shape, dtypes, transposes and pointer alignment.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -148,7 +149,6 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
     RIG_CUDA_CHECK(cudaMemcpyAsync(c.raw(), src->raw(), c.nbytes(), cudaMemcpyDeviceToDevice,
                                    stream_for(dev)));
   }
-  src = nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   LtDevice& ld = lt_device(dev);
   const cudaDataType_t tab = cuda_type(a.dtype()), tc = cuda_type(c.dtype());
@@ -178,7 +178,6 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
                                               a.dim(1)));
   RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.d, tc, uint64_t(n), uint64_t(m), n));
 
-  const void* c_in = c.raw();
   const AlgoKey key{dev,
                     m,
                     n,
@@ -230,31 +229,28 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
       RIG_CUDA_CHECK(cudaEventCreate(&e0));
       RIG_CUDA_CHECK(cudaEventCreate(&e1));
       auto run = [&](int i) {
-        return cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta, c_in,
-                              lc.d, scratch_d.raw(), lc.d, &res[i].algo, ld.workspace.raw(),
-                              kWorkspace, stream_for(dev));
+        return cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
+                              c.raw(), lc.d, scratch_d.raw(), lc.d, &res[i].algo,
+                              ld.workspace.raw(), kWorkspace, stream_for(dev));
       };
       // Three rounds over all candidates, each keeping its best: clocks still ramping up during
       // the first round then favour no candidate. (With one round, two runs of the same 1B step
       // picked different algorithms for a product, and its speed differed by 15%.)
-      std::vector<float> best(size_t(found), -1.0f);
-      for (int i = 0; i < found; ++i)
-        if (run(i) != CUBLAS_STATUS_SUCCESS) best[size_t(i)] = -2.0f;  // cannot run here
+      std::vector<float> best(size_t(found), INFINITY);  // stays infinite: cannot run here
+      std::vector<bool> runs(size_t(found), false);
+      for (int i = 0; i < found; ++i) runs[size_t(i)] = run(i) == CUBLAS_STATUS_SUCCESS;
       for (int round = 0; round < 3; ++round)
         for (int i = 0; i < found; ++i) {
-          if (best[size_t(i)] == -2.0f) continue;
+          if (!runs[size_t(i)]) continue;
           RIG_CUDA_CHECK(cudaEventRecord(e0, stream_for(dev)));
           for (int r = 0; r < 2; ++r) (void)run(i);
           RIG_CUDA_CHECK(cudaEventRecord(e1, stream_for(dev)));
           RIG_CUDA_CHECK(cudaEventSynchronize(e1));
           float ms = 0;
           RIG_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          if (best[size_t(i)] < 0 || ms < best[size_t(i)]) best[size_t(i)] = ms;
+          best[size_t(i)] = std::min(best[size_t(i)], ms);
         }
-      for (int i = 0; i < found; ++i)
-        if (best[size_t(i)] >= 0 &&
-            (best[size_t(pick)] < 0 || best[size_t(i)] < best[size_t(pick)]))
-          pick = i;
+      pick = int(std::min_element(best.begin(), best.end()) - best.begin());
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
     }
@@ -262,7 +258,7 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
   }
   if (!it->second) return false;
   RIG_CUBLAS_CHECK(cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
-                                  c_in, lc.d, c.raw(), lc.d, &*it->second, ld.workspace.raw(),
+                                  c.raw(), lc.d, c.raw(), lc.d, &*it->second, ld.workspace.raw(),
                                   kWorkspace, stream_for(dev)));
   return true;
 }

@@ -199,6 +199,13 @@ class LlamaModel {
   // than Full): recomputes what was dropped and the backward reads.
   void drop_saved(int li, Acts& a, Checkpointing mode) const;
   void recompute_saved(int li, Acts& a);
+  // The LM head and the loss (per-row losses into row_loss, on the device); with a backward,
+  // returns the gradient of the final norm's output.
+  Tensor head_and_loss(const Tensor& hn, const Tensor& targets, float scale, const StepOptions& opt,
+                       Tensor& row_loss);
+  // The backward of the final norm and of every layer (h: the last layer's output).
+  void backward(std::vector<Acts>& acts, Tensor& dhn, const Tensor& h, const Tensor& rstd,
+                const TokenBatch& dbatch, uint64_t seed, const StepOptions& opt);
   // The weight a product reads: the parameter's operand, or a 4-bit weight dequantized into the
   // one reused buffer (valid until the next call).
   const Tensor& weight_operand(int idx);

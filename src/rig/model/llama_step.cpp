@@ -222,31 +222,76 @@ Tensor attention_segments(const Tensor& seg) {
   }
   return single ? Tensor() : runs;
 }
-}  // namespace
 
-StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
+// The batch's shapes, and its token ids and labels against the vocabulary, checked on the host
+// where the batch arrives: the GPU kernels would report a bad id only at the next synchronising op.
+void check_batch(const TokenBatch& batch, int64_t vocab) {
   const Tensor& ids = batch.input_ids;
-  if (act_ != DType::F32 && !dev_.is_cuda())
-    bad_input("bf16 compute needs a CUDA device; the CPU backend computes in float32");
   RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64,
             "input_ids must be int64 [B, T], got {} {}", dtype_name(ids.dtype()),
             shape_str(ids.shape()));
   RIG_CHECK(batch.labels.shape() == ids.shape() && batch.labels.dtype() == DType::I64,
             "labels must be int64 {}", shape_str(ids.shape()));
-  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, H = cfg_.hidden_size,
-                Vv = cfg_.vocab_size;
+  const int64_t T = ids.dim(1), N = ids.numel();
+  const int64_t *pi = ids.data<int64_t>(), *pl = batch.labels.data<int64_t>();
+  for (int64_t r = 0; r < N; ++r) {
+    if (pi[r] < 0 || pi[r] >= vocab)
+      bad_input("token id {} at row {} position {} is outside the vocabulary of {}", pi[r], r / T,
+                r % T, vocab);
+    if (pl[r] != -100 && (pl[r] < 0 || pl[r] >= vocab))
+      bad_input("label {} at row {} position {} is outside the vocabulary of {}", pl[r], r / T,
+                r % T, vocab);
+  }
+}
+
+// Full checkpointing recomputes the first recompute_layers layers (all when negative); the others
+// run selective.
+Checkpointing mode_of(const StepOptions& opt, size_t l) {
+  if (opt.checkpointing != Checkpointing::Full) return opt.checkpointing;
+  return opt.recompute_layers < 0 || int64_t(l) < opt.recompute_layers ? Checkpointing::Full
+                                                                       : Checkpointing::Selective;
+}
+
+// Position ids, given or 0..T-1 per row, flattened; *max_pos is the largest.
+Tensor positions_of(const TokenBatch& batch, int64_t* max_pos) {
+  const int64_t T = batch.input_ids.dim(1), N = batch.input_ids.numel();
+  Tensor pos = Tensor::empty({N}, DType::I64, Device::cpu(), "positions");
+  *max_pos = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    int64_t p = batch.position_ids.defined() ? batch.position_ids.data<int64_t>()[r] : r % T;
+    pos.data<int64_t>()[r] = p;
+    *max_pos = std::max(*max_pos, p);
+  }
+  return pos;
+}
+
+// The loss's targets: labels shifted left by one (the last position of each row has none);
+// *valid counts those not ignored.
+Tensor shifted_targets(const Tensor& labels, int64_t* valid) {
+  const int64_t T = labels.dim(1), N = labels.numel();
+  Tensor targets = Tensor::empty({N}, DType::I64, Device::cpu(), "targets");
+  *valid = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t lab = r % T + 1 < T ? labels.data<int64_t>()[r + 1] : -100;
+    targets.data<int64_t>()[r] = lab;
+    *valid += lab != -100;
+  }
+  return targets;
+}
+}  // namespace
+
+StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
+  if (act_ != DType::F32 && !dev_.is_cuda())
+    bad_input("bf16 compute needs a CUDA device; the CPU backend computes in float32");
+  check_batch(batch, cfg_.vocab_size);
+  const Tensor& ids = batch.input_ids;
+  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, H = cfg_.hidden_size;
   if (cfg_.sliding_window && T > *cfg_.sliding_window)
     bad_input(
         "sequence length {} exceeds the model's sliding window {}, which rig does not support yet",
         T, *cfg_.sliding_window);
-  // Positions: given, or 0..T-1 per row.
-  cur_pos_ = Tensor::empty({N}, DType::I64, Device::cpu(), "positions");
   int64_t max_pos = 0;
-  for (int64_t r = 0; r < N; ++r) {
-    int64_t p = batch.position_ids.defined() ? batch.position_ids.data<int64_t>()[r] : r % T;
-    cur_pos_.data<int64_t>()[r] = p;
-    max_pos = std::max(max_pos, p);
-  }
+  cur_pos_ = positions_of(batch, &max_pos);
   ensure_rope(max_pos + 1);
   cur_pos_ = cur_pos_.to(dev_, "positions");
   // The batch arrives on the host; the layers need ids and segments where they run.
@@ -255,13 +300,6 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
       ids.to(dev_, "input ids"), host.labels, {}, attention_segments(host.segment_ids)};
   if (dbatch.segment_ids.defined()) dbatch.segment_ids = dbatch.segment_ids.to(dev_, "segments");
   const uint64_t seed = opt.backward ? opt.dropout_seed : 0;
-  // Full checkpointing recomputes the first recompute_layers layers (all when negative); the
-  // others run selective.
-  auto mode_of = [&](size_t l) {
-    if (opt.checkpointing != Checkpointing::Full) return opt.checkpointing;
-    return opt.recompute_layers < 0 || int64_t(l) < opt.recompute_layers ? Checkpointing::Full
-                                                                         : Checkpointing::Selective;
-  };
 
   StepHooks* hk = opt.hooks;
   const auto phase = opt.backward ? StepHooks::Backward : StepHooks::Forward;
@@ -278,7 +316,7 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     if (hk) hk->after(int(l), StepHooks::Forward);
     h = acts[l].h_out;
     if (opt.backward) {
-      drop_saved(int(l), acts[l], mode_of(l));
+      drop_saved(int(l), acts[l], mode_of(opt, l));
     } else {
       acts[l] = Acts{};
     }
@@ -286,20 +324,60 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   Tensor hn = act({N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
 
-  // Targets: labels shifted left by one; the last position of each row has none.
-  Tensor targets = Tensor::empty({N}, DType::I64, Device::cpu(), "targets");
-  int64_t valid = 0;
-  for (int64_t r = 0; r < N; ++r) {
-    int64_t t = r % T;
-    int64_t lab = t + 1 < T ? batch.labels.data<int64_t>()[r + 1] : -100;
-    targets.data<int64_t>()[r] = lab;
-    valid += lab != -100;
-  }
-  targets = targets.to(dev_, "targets");
-  const float scale = opt.grad_scale > 0 ? opt.grad_scale : (valid ? 1.0f / float(valid) : 0.0f);
-  if (opt.logits) *opt.logits = Tensor::empty({B, T, Vv}, DType::F32, Device::cpu(), "logits");
-
   StepResult res;
+  Tensor targets = shifted_targets(batch.labels, &res.tokens).to(dev_, "targets");
+  const float scale =
+      opt.grad_scale > 0 ? opt.grad_scale : (res.tokens ? 1.0f / float(res.tokens) : 0.0f);
+  // Per-row losses stay on the device and are read once, after the whole step is queued.
+  Tensor row_loss = fresh_on(dev_, {N}, "row losses");
+  if (opt.logits)
+    *opt.logits = Tensor::empty({B, T, cfg_.vocab_size}, DType::F32, Device::cpu(), "logits");
+  Tensor dhn = head_and_loss(hn, targets, scale, opt, row_loss);
+  hn = Tensor();
+  if (opt.backward) backward(acts, dhn, h, rstd, dbatch, seed, opt);
+  if (hk) {
+    hk->after(-1, phase);
+    bind_outer();
+  }
+  Tensor losses = row_loss.to(Device::cpu(), "row losses");
+  for (int64_t i = 0; i < N; ++i) res.loss_sum += double(losses.f32()[i]);
+  return res;
+}
+
+// From the gradient of the final norm's output down to the embedding: each layer recomputes what
+// its checkpointing mode dropped, then runs its backward.
+void LlamaModel::backward(std::vector<Acts>& acts, Tensor& dhn, const Tensor& h, const Tensor& rstd,
+                          const TokenBatch& dbatch, uint64_t seed, const StepOptions& opt) {
+  const int64_t N = h.dim(0), H = h.dim(1);
+  StepHooks* hk = opt.hooks;
+  Tensor dh = fresh_on(dev_, {N, H}, "d hidden");
+  Param* fn = find_param("model.norm.weight");
+  Tensor dfn =
+      fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
+  ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
+  dhn = Tensor();
+  Tensor dh_act = act_ == DType::F32 ? dh : act({N, H}, "d hidden operand");
+  if (dh_act.raw() != dh.raw()) ops::cast(dh, dh_act);
+  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+    if (hk) hk->before(l, StepHooks::Backward);
+    if (mode_of(opt, size_t(l)) == Checkpointing::Full) {
+      layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
+    } else {
+      recompute_saved(l, acts[size_t(l)]);
+    }
+    layer_backward(l, acts[size_t(l)], dh, dh_act, dbatch, seed);
+    acts[size_t(l)] = Acts{};
+    if (hk) hk->after(l, StepHooks::Backward);
+  }
+  if (params_.front().grad.defined())
+    ops::embedding_backward(dbatch.input_ids.reshape({N}), dh, params_.front().grad);
+}
+
+// The LM head and the loss in row chunks (the logits of the whole batch never exist at once);
+// with a backward, returns the gradient of the final norm's output (float32 [N, H]).
+Tensor LlamaModel::head_and_loss(const Tensor& hn, const Tensor& targets, float scale,
+                                 const StepOptions& opt, Tensor& row_loss) {
+  const int64_t N = hn.dim(0), H = hn.dim(1), Vv = cfg_.vocab_size;
   Param* head = cfg_.tie_word_embeddings ? &params_.front() : find_param("lm_head.weight");
   Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, dev_, "d final norm") : Tensor();
   // Logits in the products' dtype, as transformers computes them under autocast (the loss reads
@@ -314,51 +392,17 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     Tensor logits = Tensor::empty({r1 - r0, Vv}, logit_dt, dev_, "logits chunk");
     ops::gemm(x, false, lm_head_, true, logits, 1.0f, 0.0f);
     if (opt.logits) opt.logits->reshape({N, Vv}).slice_rows(r0, r1).copy_from(logits);
-    Tensor tg = targets.slice_rows(r0, r1);
+    Tensor tg = targets.slice_rows(r0, r1), rl = row_loss.slice_rows(r0, r1);
     Tensor dl = !opt.backward      ? Tensor()
                 : logit_dt == act_ ? logits
                                    : act(logits.shape(), "d logits");
-    res.loss_sum +=
-        ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, &res.tokens);
+    ops::cross_entropy(logits, tg, scale, opt.backward ? &dl : nullptr, rl);
     if (!opt.backward) continue;
     Tensor dx = dhn.slice_rows(r0, r1);
     ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
     if (head->grad.defined()) ops::gemm(dl, true, x, false, head->grad, 1.0f, 1.0f);
   }
-  if (!opt.backward) {
-    if (hk) {
-      hk->after(-1, phase);
-      bind_outer();
-    }
-    return res;
-  }
-
-  Tensor dh = fresh_on(dev_, {N, H}, "d hidden");
-  Param* fn = find_param("model.norm.weight");
-  Tensor dfn =
-      fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
-  ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
-  dhn = hn = Tensor();
-  Tensor dh_act = act_ == DType::F32 ? dh : act({N, H}, "d hidden operand");
-  if (dh_act.raw() != dh.raw()) ops::cast(dh, dh_act);
-  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
-    if (hk) hk->before(l, StepHooks::Backward);
-    if (mode_of(size_t(l)) == Checkpointing::Full) {
-      layer_forward(l, acts[size_t(l)].h_in, acts[size_t(l)], dbatch, seed);
-    } else {
-      recompute_saved(l, acts[size_t(l)]);
-    }
-    layer_backward(l, acts[size_t(l)], dh, dh_act, dbatch, seed);
-    acts[size_t(l)] = Acts{};
-    if (hk) hk->after(l, StepHooks::Backward);
-  }
-  if (params_.front().grad.defined())
-    ops::embedding_backward(dbatch.input_ids.reshape({N}), dh, params_.front().grad);
-  if (hk) {
-    hk->after(-1, phase);
-    bind_outer();
-  }
-  return res;
+  return dhn;
 }
 
 }  // namespace rig

@@ -30,23 +30,26 @@ void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor&
   }
 }
 
-double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
-                     Tensor* dlogits, int64_t* valid) {
+void cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale, Tensor* dlogits,
+                   Tensor& row_loss) {
   const int64_t rows = logits.dim(0), V = logits.dim(1);
+  RIG_CHECK(targets.numel() == rows && row_loss.numel() == rows,
+            "cross_entropy: logits {} targets {} row_loss {}", shape_str(logits.shape()),
+            shape_str(targets.shape()), shape_str(row_loss.shape()));
   const float* pl = logits.f32();
   float* pd = dlogits ? dlogits->f32() : nullptr;
+  float* pr = row_loss.f32();
   const int64_t* pt = targets.data<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     if (pt[r] != -100 && (pt[r] < 0 || pt[r] >= V))
       bad_input("label {} at position {} is outside the vocabulary of {}", pt[r], r, V);
-  double total = 0;
-  int64_t count = 0;
-#pragma omp parallel for reduction(+ : total, count)
+#pragma omp parallel for
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = pl + r * V;
     float* dx = pd ? pd + r * V : nullptr;
     if (pt[r] == -100) {
       if (dx) std::fill_n(dx, V, 0.0f);
+      pr[r] = 0.0f;
       continue;
     }
     float mx = x[0];
@@ -54,15 +57,12 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
     double sum = 0;
     for (int64_t j = 0; j < V; ++j) sum += std::exp(double(x[j] - mx));
     const double lse = double(mx) + std::log(sum);
-    total += lse - double(x[pt[r]]);
-    ++count;
+    pr[r] = float(lse - double(x[pt[r]]));
     if (dx) {
       for (int64_t j = 0; j < V; ++j) dx[j] = float(std::exp(double(x[j]) - lse)) * grad_scale;
       dx[pt[r]] -= grad_scale;
     }
   }
-  if (valid) *valid += count;
-  return total;
 }
 
 void add_(Tensor& a, const Tensor& b, float alpha) {

@@ -49,12 +49,13 @@ __device__ __forceinline__ void online_add(float x, float& m, float& s) {
 // aligned to that), so each thread keeps more bytes in flight on the bandwidth-bound passes.
 template <typename E, typename G, bool QUAD>
 __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V, float scale,
-                              G* dlogits, float* row_loss) {
+                              G* dlogits, float* row_loss, DeviceError* err) {
   const int64_t r = blockIdx.x;
   const E* x = logits + r * V;
   G* dx = dlogits ? dlogits + r * V : nullptr;
   const int64_t t = targets[r];
-  if (t < 0 || t >= V) {  // ignored (-100) or invalid (reported by the finishing kernel)
+  if (t < 0 || t >= V) {  // ignored (-100) or invalid (recorded, raised at the next check)
+    if (t != -100 && threadIdx.x == 0) rig_device_error(err, kBadLabel, r, t, V);
     if (dx)
       for (int64_t j = threadIdx.x; j < V; j += blockDim.x) st(dx, j, 0.0f);
     if (threadIdx.x == 0) row_loss[r] = 0.0f;
@@ -95,35 +96,6 @@ __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V
   }
 }
 
-__global__ void ce_finish_kernel(const float* row_loss, const int64_t* targets, int64_t rows,
-                                 int64_t V, CeResult* out) {
-  double loss = 0;
-  long long count = 0, bad = rows;
-  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
-    const int64_t t = targets[r];
-    if (t == -100) continue;
-    if (t < 0 || t >= V) {
-      bad = min(bad, (long long)r);
-      continue;
-    }
-    loss += row_loss[r];
-    ++count;
-  }
-  loss = block_sum(loss);
-  const double c = block_sum(double(count));
-  __shared__ long long sh_bad;
-  if (threadIdx.x == 0) sh_bad = rows;
-  __syncthreads();
-  if (bad < rows) atomicMin(&sh_bad, bad);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    out->loss = loss;
-    out->count = (long long)c;
-    out->bad_row = sh_bad < rows ? sh_bad : -1;
-    out->bad_label = sh_bad < rows ? targets[sh_bad] : 0;
-  }
-}
-
 int ce_threads(int64_t V) {
   if (V >= 8192) return 1024;
   if (V >= 1024) return 512;
@@ -133,7 +105,7 @@ int ce_threads(int64_t V) {
 }  // namespace
 
 cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows, int64_t V,
-                          float grad_scale, T td, void* dlogits, float* row_loss, CeResult* out,
+                          float grad_scale, T td, void* dlogits, float* row_loss, DeviceError* err,
                           cudaStream_t s) {
   // Quads need every row start aligned: V a multiple of 4 and 16-byte aligned bases.
   const bool quad = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
@@ -144,12 +116,11 @@ cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64
                      auto* dx = static_cast<G*>(dlogits);
                      if (quad)
                        ce_row_kernel<E, G, true><<<unsigned(rows), ce_threads(V), 0, s>>>(
-                           x, targets, V, grad_scale, dx, row_loss);
+                           x, targets, V, grad_scale, dx, row_loss, err);
                      else
                        ce_row_kernel<E, G, false><<<unsigned(rows), ce_threads(V), 0, s>>>(
-                           x, targets, V, grad_scale, dx, row_loss);
+                           x, targets, V, grad_scale, dx, row_loss, err);
                    }));
-  ce_finish_kernel<<<1, 1024, 0, s>>>(row_loss, targets, rows, V, out);
   return cudaGetLastError();
 }
 

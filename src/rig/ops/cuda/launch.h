@@ -119,15 +119,9 @@ cudaError_t attention_bwd(T t, const void* dout, const void* q, const void* k, c
 int attention_max_head_dim();
 
 // ---- cross_entropy.cu (dlogits may alias logits or have its own dtype td)
-struct CeResult {
-  double loss;
-  long long count;
-  long long bad_row;  // -1 when all labels were valid
-  long long bad_label;
-};
-// row_loss scratch [rows] float32; out one CeResult on the device.
+// row_loss [rows] float32; a label outside [0, V) other than -100 is recorded in err.
 cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows, int64_t V,
-                          float grad_scale, T td, void* dlogits, float* row_loss, CeResult* out,
+                          float grad_scale, T td, void* dlogits, float* row_loss, DeviceError* err,
                           cudaStream_t s);
 
 // ---- nf4.cu (bitsandbytes 4-bit weights: packed nibbles, element 2i in the high nibble)

@@ -52,6 +52,9 @@ void raise_device_errors(int device) {
     case k::kBadTokenId:
       bad_input("token id {} at position {} is outside the vocabulary of {}", h.value, h.where,
                 h.limit);
+    case k::kBadLabel:
+      bad_input("label {} at position {} is outside the vocabulary of {}", h.value, h.where,
+                h.limit);
     case k::kBadRopePos:
       bad_input("position {} of row {} is outside the rope table ({})", h.value, h.where, h.limit);
     default:
@@ -138,8 +141,8 @@ void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
                                 table.raw(), table.dim(0), table.dim(1), ktype(out, op, "out"),
                                 out.raw(), device_error(dev), stream_for(dev)),
                op);
-  // Bad token ids are user input: report them here, where the CPU backend does (one small copy).
-  raise_device_errors(dev);
+  // A bad token id is raised by the next op that checks the device (sum_squares, ...), so the
+  // step does not stall here; the model checks its batch's ids on the host first.
 }
 
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
@@ -261,7 +264,7 @@ void rope(Tensor& x, const Tensor& pos, const Tensor& cos, const Tensor& sin, in
   RIG_CHECK(pos.numel() == x.dim(0), "{}: pos {} for {} rows", op, shape_str(pos.shape()), x.dim(0));
   DeviceGuard g(dev);
   // Positions are checked on the device; a bad one is reported at the next synchronising op
-  // (cross_entropy, sum_squares, embedding_forward) rather than stalling every layer here.
+  // (sum_squares, sum_squares_list) rather than stalling every layer here.
   check_status(k::rope(ktype(x, op, "x"), x.raw(), pos.data<int64_t>(), x.dim(0), heads, d,
                        ktype(cos, op, "cos"), cos.raw(), sin.raw(), cos.dim(0), backward,
                        device_error(dev), stream_for(dev)),
@@ -477,14 +480,18 @@ void swiglu_backward(const Tensor& da, const Tensor& g, const Tensor& u, Tensor&
 
 // ---- cross-entropy ------------------------------------------------------------------------
 
-double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
-                     Tensor* dlogits, int64_t* valid) {
+void cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale, Tensor* dlogits,
+                   Tensor& row_loss) {
   const char* op = "cross_entropy";
   const int dev = logits.device().index;
   check_on(targets, dev, op, "targets");
+  check_on(row_loss, dev, op, "row_loss");
   check_dtype(targets, DType::I64, op, "targets");
-  RIG_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0), "{}: logits {} targets {}", op,
-            shape_str(logits.shape()), shape_str(targets.shape()));
+  check_dtype(row_loss, DType::F32, op, "row_loss");
+  RIG_CHECK(
+      logits.ndim() == 2 && targets.numel() == logits.dim(0) && row_loss.numel() == logits.dim(0),
+      "{}: logits {} targets {} row_loss {}", op, shape_str(logits.shape()),
+      shape_str(targets.shape()), shape_str(row_loss.shape()));
   const k::T t = ktype(logits, op, "logits");
   if (dlogits) {
     check_on(*dlogits, dev, op, "dlogits");
@@ -492,24 +499,14 @@ double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_sca
     RIG_CHECK(dlogits->raw() != logits.raw() || dlogits->dtype() == logits.dtype(),
               "{}: dlogits in place must keep the logits' dtype", op);
   }
-  const int64_t rows = logits.dim(0), V = logits.dim(1);
   DeviceGuard g(dev);
-  Tensor row_loss = scratch({std::max<int64_t>(rows, 1)}, DType::F32, dev, "cross_entropy row losses");
-  Tensor res = scratch({int64_t(sizeof(k::CeResult))}, DType::U8, dev, "cross_entropy result");
-  auto* dres = static_cast<k::CeResult*>(res.raw());
+  // Nothing is read back: a bad label is raised by the next op that checks (sum_squares, ...).
   check_status(
-      k::cross_entropy(t, logits.raw(), targets.data<int64_t>(), rows, V, grad_scale,
-                       dlogits ? ktype(*dlogits, op, "dlogits") : t,
-                       dlogits ? dlogits->raw() : nullptr, row_loss.f32(), dres, stream_for(dev)),
+      k::cross_entropy(t, logits.raw(), targets.data<int64_t>(), logits.dim(0), logits.dim(1),
+                       grad_scale, dlogits ? ktype(*dlogits, op, "dlogits") : t,
+                       dlogits ? dlogits->raw() : nullptr, row_loss.f32(), device_error(dev),
+                       stream_for(dev)),
       op);
-  k::CeResult h{};
-  RIG_CUDA_CHECK(cudaMemcpyAsync(&h, dres, sizeof(h), cudaMemcpyDeviceToHost, stream_for(dev)));
-  RIG_CUDA_CHECK(cudaStreamSynchronize(stream_for(dev)));
-  if (h.bad_row >= 0)
-    bad_input("label {} at position {} is outside the vocabulary of {}", h.bad_label, h.bad_row, V);
-  raise_device_errors(dev);
-  if (valid) *valid += h.count;
-  return h.loss;
 }
 
 // ---- element-wise -------------------------------------------------------------------------

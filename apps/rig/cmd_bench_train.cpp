@@ -128,6 +128,7 @@ nlohmann::json profile_step(rig::Device dev, const std::function<void()>& step,
   for (const auto& [op, v] : per_op) breakdown["ops"][op] = {{"ms", v.first}, {"calls", v.second}};
   breakdown["step_ms"] = p.wall_ms;
   breakdown["other_ms"] = p.wall_ms - p.op_ms();  // copies, memsets, launch gaps, host work
+  breakdown["between_ops_ms"] = p.between_ops_ms();  // the device idle or in non-op work
   if (!trace.empty()) rig::write_file_atomic(trace, p.chrome_trace());
   return breakdown;
 }

@@ -5,6 +5,7 @@
 
 #include "rig/io/safetensors.h"
 #include "rig/model/llama.h"
+#include "rig/ops/profile.h"
 #include "test_util.h"
 
 using namespace rig;
@@ -101,4 +102,16 @@ TEST(Tools, BenchTrainProfileBreaksTheStepDownPerOp) {
   double total = 0;
   for (const auto& [op, v] : ops.items()) total += v["ms"].get<double>();
   EXPECT_LE(total, j["breakdown"]["step_ms"].get<double>() * 1.01);
+  const double between = j["breakdown"]["between_ops_ms"].get<double>();
+  EXPECT_GE(between, 0.0);
+  EXPECT_LE(between, j["breakdown"]["step_ms"].get<double>());
+}
+
+TEST(Tools, ProfileCountsTheTimeBetweenOps) {
+  // Overlapping and nested spans cover their union; the uncovered stretches are the gaps.
+  ops::Profile p;
+  for (auto [a, b] : {std::pair{3.0, 4.0}, {0.0, 1.0}, {0.5, 2.0}, {3.5, 3.6}, {5.0, 6.0}})
+    p.spans.push_back({"op", "matmul", a, b});
+  EXPECT_DOUBLE_EQ(p.between_ops_ms(), 1.0 + 1.0);
+  EXPECT_EQ(ops::Profile{}.between_ops_ms(), 0.0);
 }

@@ -1,5 +1,6 @@
 #include "rig/ops/profile.h"
 
+#include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -62,6 +63,19 @@ double Profile::op_ms() const {
   double s = 0;
   for (const auto& [c, ms] : category_ms) s += ms;
   return s;
+}
+
+double Profile::between_ops_ms() const {
+  std::vector<std::pair<double, double>> iv;
+  for (const auto& s : spans) iv.emplace_back(s.start_ms, s.end_ms);
+  if (iv.empty()) return 0;
+  std::sort(iv.begin(), iv.end());
+  double gaps = 0, reach = iv.front().second;
+  for (const auto& [a, b] : iv) {
+    if (a > reach) gaps += a - reach;
+    reach = std::max(reach, b);
+  }
+  return gaps;
 }
 
 std::string Profile::chrome_trace() const {

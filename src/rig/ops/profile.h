@@ -19,6 +19,10 @@ struct Profile {
   std::map<std::string, double> category_ms;  // summed span time per category
   double wall_ms = 0;                         // open() to close(), device work included
   double op_ms() const;                       // all categories
+  // From the first op's start to the last op's end, the time no op was running: launch gaps
+  // while the device waits for the host, and work that is not an op (copies, memsets). What
+  // CUDA graphs could remove is at most this.
+  double between_ops_ms() const;
   // Chrome trace / Perfetto JSON: one complete event per op.
   std::string chrome_trace() const;
 };

@@ -6,6 +6,7 @@
 #pragma once
 #include <atomic>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -62,6 +63,11 @@ class Allocator {
 };
 
 Allocator& cpu_allocator();
+#ifdef RIG_WITH_CUDA
+// A CUDA allocator of either kind for device `index`, apart from the process's own (allocator_for:
+// the stream-ordered pool, or the caching allocator under RIG_CUDA_ALLOCATOR=caching). For tests.
+std::unique_ptr<Allocator> make_cuda_allocator(int index, bool pool);
+#endif
 
 // "22GiB", "512MiB", "1.5GB", "1000" (bytes). Throws InputError naming `what` on a bad value.
 size_t parse_bytes(std::string_view text, std::string_view what = "size");

@@ -1,10 +1,12 @@
 // CUDA memory: a caching allocator per device (cudaMalloc is slow and synchronising). The budget
 // bounds the bytes reserved with cudaMalloc (cached free blocks included): past it, the cache is
-// released before anything new is reserved. RIG_CUDA_ALLOCATOR=pool takes memory from the device's
-// stream-ordered pool instead (cudaMallocAsync on the stream every op runs on), which splits and
-// joins blocks itself; the reserved bytes are then the pool's own count.
+// released before anything new is reserved. By default memory comes from a stream-ordered pool
+// instead (cudaMallocFromPoolAsync on the stream every op runs on), which splits and joins blocks
+// itself (far less reserved beyond use); the reserved bytes are then the pool's own count.
+// RIG_CUDA_ALLOCATOR=caching picks the caching allocator.
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -99,20 +101,26 @@ class CudaCachingAllocator final : public Allocator {
   std::map<void*, size_t> sizes_;
 };
 
-// The device's default memory pool, used in stream order on the legacy default stream: the one
-// the ops run on (ops/cuda/context.h) and that Tensor's synchronous copies are ordered with, so a
-// block freed here is reused only after the kernels queued before the free.
+// A memory pool of rig's own on the device (not the default pool, which libraries may share, so
+// its reserved count is rig's tensors alone), used in stream order on the legacy default stream:
+// the one the ops run on (ops/cuda/context.h) and that Tensor's synchronous copies are ordered
+// with, so a block freed here is reused only after the kernels queued before the free.
 class CudaPoolAllocator final : public Allocator {
  public:
   explicit CudaPoolAllocator(int index) : Allocator(fmt::format("cuda:{}", index)), index_(index) {
-    int prev;
-    RIG_CUDA_CHECK(cudaGetDevice(&prev));
-    RIG_CUDA_CHECK(cudaSetDevice(index_));
-    RIG_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool_, index_));
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = index_;
+    RIG_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props));
     // Keep freed memory in the pool (as a caching allocator does) until the budget asks for it.
     uint64_t keep = UINT64_MAX;
     RIG_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
-    RIG_CUDA_CHECK(cudaSetDevice(prev));
+  }
+  ~CudaPoolAllocator() override {
+    // Only the tests' own allocators end: the process's live until exit.
+    cudaStreamSynchronize(cudaStreamLegacy);
+    cudaMemPoolDestroy(pool_);
   }
 
   void release_cached() override {
@@ -131,10 +139,10 @@ class CudaPoolAllocator final : public Allocator {
     RIG_CUDA_CHECK(cudaGetDevice(&prev));
     RIG_CUDA_CHECK(cudaSetDevice(index_));
     void* p = nullptr;
-    if (cudaMallocAsync(&p, bytes, cudaStreamLegacy) != cudaSuccess) {
+    if (cudaMallocFromPoolAsync(&p, bytes, pool_, cudaStreamLegacy) != cudaSuccess) {
       cudaGetLastError();
       trim();
-      if (cudaMallocAsync(&p, bytes, cudaStreamLegacy) != cudaSuccess) {
+      if (cudaMallocFromPoolAsync(&p, bytes, pool_, cudaStreamLegacy) != cudaSuccess) {
         cudaGetLastError();
         p = nullptr;
       }
@@ -180,12 +188,17 @@ class CudaPoolAllocator final : public Allocator {
 
 bool use_pool() {
   const char* v = std::getenv("RIG_CUDA_ALLOCATOR");
-  if (!v || std::string(v).empty() || std::string(v) == "caching") return false;
-  if (std::string(v) == "pool") return true;
-  bad_input("RIG_CUDA_ALLOCATOR='{}': expected caching or pool", v);
+  if (!v || std::string(v).empty() || std::string(v) == "pool") return true;
+  if (std::string(v) == "caching") return false;
+  bad_input("RIG_CUDA_ALLOCATOR='{}': expected pool or caching", v);
 }
 
 }  // namespace
+
+std::unique_ptr<Allocator> make_cuda_allocator(int index, bool pool) {
+  if (pool) return std::make_unique<CudaPoolAllocator>(index);
+  return std::make_unique<CudaCachingAllocator>(index);
+}
 
 bool cuda_runtime_available() {
   int n = 0;
@@ -206,11 +219,7 @@ Allocator& cuda_allocator(int index) {
   if (index < 0 || index >= n) bad_input("device cuda:{} requested, but only {} GPU(s) are visible", index, n);
   if (allocs.empty()) allocs.resize(size_t(n));
   if (!allocs[size_t(index)]) {
-    if (use_pool()) {
-      allocs[size_t(index)] = std::make_unique<CudaPoolAllocator>(index);
-    } else {
-      allocs[size_t(index)] = std::make_unique<CudaCachingAllocator>(index);
-    }
+    allocs[size_t(index)] = make_cuda_allocator(index, use_pool());
   }
   return *allocs[size_t(index)];
 }

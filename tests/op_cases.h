@@ -12,6 +12,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -81,6 +82,10 @@ struct OpCase {
   // (from the backward's inputs, as doubles): its rounding is relative to them, not to the sum,
   // so the normalised error divides by this instead of by the result.
   std::map<std::string, std::function<std::vector<double>(const Tensors&)>> term_size;
+  // An independent float64 implementation of the forward (plain loops over the CPU inputs) that
+  // tests/unit/op_reference_test.cpp holds the CPU forward to, for ops without a backward for the
+  // finite differences to check.
+  std::function<Tensors(const Tensors&)> reference;
 };
 
 // Tolerances on the normalised error ||got - want|| / ||want||.
@@ -580,6 +585,76 @@ inline void add_attention_cases(std::vector<OpCase>& cs) {
   }
 }
 
+// Causal attention of n new rows at positions past..past+n-1 against a cache, in float64.
+inline Tensors attention_decode_reference(const Tensors& t) {
+  const Tensor &q = t.at("q"), &k = t.at("k_cache"), &v = t.at("v_cache");
+  const int64_t n = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hk = k.dim(1);
+  const int64_t past = int64_t(values(t.at("past"))[0]);
+  const std::vector<double> qv = values(q), kv = values(k), vv = values(v);
+  std::vector<float> out(size_t(q.numel()));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / (Hq / Hk), len = past + r + 1;
+      std::vector<double> s(static_cast<size_t>(len));
+      double mx = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        for (int64_t x = 0; x < D; ++x)
+          s[size_t(j)] += qv[size_t((r * Hq + h) * D + x)] * kv[size_t((j * Hk + hk) * D + x)];
+        s[size_t(j)] /= std::sqrt(double(D));
+        mx = std::max(mx, s[size_t(j)]);
+      }
+      for (double& x : s) sum += (x = std::exp(x - mx));
+      for (int64_t x = 0; x < D; ++x) {
+        double o = 0;
+        for (int64_t j = 0; j < len; ++j) o += s[size_t(j)] * vv[size_t((j * Hk + hk) * D + x)];
+        out[size_t((r * Hq + h) * D + x)] = float(o / sum);
+      }
+    }
+  return Tensors{{"out", Tensor::from_f32(out, q.shape())}};
+}
+
+inline void add_attention_decode_cases(std::vector<OpCase>& cs) {
+  struct A {
+    int64_t n, past, Hq, Hk, D, max_len;
+  };
+  // The first token (past 0, n 1), single decode steps, prefill of a whole prompt (past 0,
+  // n > 1) and a chunk after earlier tokens; GQA groups 1, 2, 4 and 8; head dims 64, 128 and
+  // others; caches longer than what is used (NaN there must not matter) and one exactly full.
+  const A shapes[] = {
+      {1, 0, 4, 4, 64, 8},       {1, 37, 8, 2, 128, 64},    {7, 0, 4, 1, 64, 16},
+      {5, 20, 6, 6, 128, 40},    {1, 300, 32, 8, 128, 301}, {111, 989, 8, 2, 80, 1200},
+      {3, 2, 2, 1, 4, 9},        {2, 300, 4, 2, 256, 302},  {33, 0, 8, 1, 96, 33},
+      {1, 1000, 4, 1, 64, 1500},
+  };
+  for (const A& s : shapes) {
+    OpCase c;
+    c.op = "attention_decode";
+    c.shape = fmt::format("n={} past={} Hq={} Hk={} D={} max_len={}", s.n, s.past, s.Hq, s.Hk, s.D,
+                          s.max_len);
+    c.in = {{"q", {s.n, s.Hq, s.D}},
+            {"k_cache", {s.max_len, s.Hk, s.D}},
+            {"v_cache", {s.max_len, s.Hk, s.D}}};
+    c.make = [s](Tensors& t, std::mt19937&) {
+      t["past"] = ints({s.past}, {1});
+      // Rows past the used length hold whatever an earlier, longer sequence left there.
+      for (const char* name : {"k_cache", "v_cache"}) {
+        Tensor& x = t.at(name);
+        const int64_t used = (s.past + s.n) * s.Hk * s.D;
+        std::fill(x.f32() + used, x.f32() + x.numel(), NAN);
+      }
+    };
+    c.forward = [](const Tensors& t, const Ctx& x) {
+      const Tensor& q = t.at("q");
+      Tensor out = x.data(q.shape());
+      ops::attention_decode(q, t.at("k_cache"), t.at("v_cache"), int64_t(values(t.at("past"))[0]),
+                            out);
+      return Tensors{{"out", out}};
+    };
+    c.reference = attention_decode_reference;
+    cs.push_back(c);
+  }
+}
+
 inline void add_loss_cases(std::vector<OpCase>& cs) {
   for (auto [rows, V] :
        {std::pair<int64_t, int64_t>{111, 1000}, {111, 32003}, {1, 1}, {5, 7}, {3, 33}}) {
@@ -618,6 +693,7 @@ inline const std::vector<OpCase>& op_cases() {
     add_elementwise_cases(v);
     add_norm_rope_cases(v);
     add_attention_cases(v);
+    add_attention_decode_cases(v);
     add_loss_cases(v);
     return v;
   }();

@@ -2,9 +2,12 @@
 // 300-step loss curve, adapters that round-trip, packing boundaries.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "hf_reference.h"
 #include "rig/io/atomic_file.h"
@@ -218,6 +221,41 @@ TEST(Engine, GenerateWithCacheMatchesFullForward) {
   for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(last[size_t(v)], logits.f32()[9 * V + v], 1e-4);
 }
 
+// A prompt prefilled in one call (its tokens as rows of one batch through every layer) against
+// the same prompt fed one token at a time, then one more token after each: the same float32
+// operations, but products of n rows instead of n products of one row, which OpenBLAS may block
+// and sum in another order: differences of a few float32 roundings of the logits (|logit| ~ 1),
+// far under 1e-5, while a wrong position, cache row or causal bound moves them by ~1e-1.
+TEST(Engine, PrefillInOneCallMatchesTokenByToken) {
+  for (const char* fixture : {"tiny-llama3", "tiny-qwen2"}) {
+    SCOPED_TRACE(fixture);
+    auto m = LlamaModel::load(test::data_path(std::string("hf/") + fixture + "/model"));
+    TokenBatch b = random_batch(1, 13, m->config().vocab_size, 21);
+    const std::vector<int64_t> ids(b.input_ids.data<int64_t>(), b.input_ids.data<int64_t>() + 13);
+    const std::vector<int64_t> prompt(ids.begin(), ids.end() - 1);
+    auto one = m->new_cache(16), steps = m->new_cache(13);
+    std::vector<float> a = m->decode(one, prompt), c;
+    for (int64_t t : prompt) c = m->decode(steps, {t});
+    EXPECT_EQ(one.len, 12);
+    EXPECT_EQ(steps.len, 12);
+    auto near = [](const std::vector<float>& x, const std::vector<float>& y) {
+      double worst = 0;
+      for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, double(std::fabs(x[i] - y[i])));
+      return worst;
+    };
+    EXPECT_LT(near(a, c), 1e-5);
+    EXPECT_LT(near(m->decode(one, {ids.back()}), m->decode(steps, {ids.back()})), 1e-5);
+    // A different last token gives different logits (the comparison can fail).
+    auto other = m->new_cache(13);
+    std::vector<int64_t> changed = prompt;
+    changed.back() = (changed.back() + 1) % m->config().vocab_size;
+    EXPECT_GT(near(m->decode(other, changed), a), 1e-3);
+    // The cache is full now: one more token is a clear error, and the cache is left as it was.
+    EXPECT_THROW(m->decode(steps, {ids[0]}), std::exception);
+    EXPECT_EQ(steps.len, 13);
+  }
+}
+
 TEST(Engine, RejectsTokensOutsideVocabulary) {
   auto m = LlamaModel::load(test::data_path("hf/tiny-llama3/model"));
   TokenBatch b = random_batch(1, 4, 10, 1);
@@ -258,4 +296,9 @@ TEST(Engine, MistralSlidingWindowIsAClearError) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("sliding window 4"), std::string::npos) << e.what();
   }
+  // Generation too: within the window it decodes, past it the same error.
+  auto cache = m->new_cache(8);
+  EXPECT_NO_THROW(m->decode(cache, {1, 2, 3}));
+  EXPECT_NO_THROW(m->decode(cache, {4}));
+  EXPECT_THROW(m->decode(cache, {5}), InputError);
 }

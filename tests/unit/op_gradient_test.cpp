@@ -154,8 +154,8 @@ TEST(OpHarnessComparison, CasesCoverTheTable) {
     ops_seen.insert(op_cases()[i].op);
   }
   for (const char* op : {"gemm", "gemm_plus", "gemm_bias", "add_bias", "embedding", "rmsnorm",
-                         "rmsnorm_backward_add", "rope", "attention", "swiglu", "cross_entropy",
-                         "add_", "scale_", "sum_squares"})
+                         "rmsnorm_backward_add", "rope", "attention", "attention_decode", "swiglu",
+                         "cross_entropy", "add_", "scale_", "sum_squares"})
     EXPECT_TRUE(ops_seen.count(op)) << op;
 }
 

@@ -158,11 +158,13 @@ class LlamaModel {
 
   // Logits of the last position for generation, with a key/value cache.
   struct KVCache {
-    std::vector<Tensor> k, v;  // per layer [max_len, kv_dim]
-    int64_t len = 0;
+    std::vector<Tensor> k, v;  // per layer [max_len, kv_dim], on the model's device, compute dtype
+    int64_t len = 0;           // rows in use
   };
+  // Make the cache after to_device and set_compute_dtype: it takes the model's device and dtype.
   KVCache new_cache(int64_t max_len) const;
-  // Feeds tokens (appending to the cache) and returns the logits of the last one [V].
+  // Feeds tokens (appending to the cache) and returns the logits of the last one [V] (float32,
+  // host). Several tokens (a prompt) run as one batch of rows through every layer.
   std::vector<float> decode(KVCache& cache, const std::vector<int64_t>& tokens);
 
   // Writes a Hugging Face model folder (config.json + model.safetensors, or shards past

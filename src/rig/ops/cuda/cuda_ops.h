@@ -4,8 +4,9 @@
 // Dtype rules (every tensor contiguous and on one CUDA device):
 //  - Activations and their gradients may be F32 or BF16: gemm A/B/C, add_bias y, embedding out and
 //    dout, rmsnorm x/y/dy/dx, rope x, attention q/k/v/out/dout/dq/dk/dv (one dtype for all of
-//    them), swiglu g/u/a/da/dg/du (one dtype), cross_entropy logits/dlogits (one dtype), add_ a/b,
-//    scale_, sum_squares, dropout x/out. Math is float32 everywhere; BF16 is rounded on store.
+//    them), attention_decode q/k_cache/v_cache/out (one dtype), swiglu g/u/a/da/dg/du (one
+//    dtype), cross_entropy logits/dlogits (one dtype), add_ a/b, scale_, sum_squares, dropout
+//    x/out. Math is float32 everywhere; BF16 is rounded on store.
 //  - gemm: A and B share a dtype; F32 A/B need F32 C (computed in true fp32, CUBLAS_COMPUTE_32F,
 //    no TF32); BF16 A/B may write BF16 or F32 C. beta=1 accumulates into C (the dW += case).
 //  - Parameters and their gradients: rmsnorm w/dw, bias/dbias, embedding table/dtable F32 or BF16

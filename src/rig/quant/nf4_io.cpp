@@ -88,78 +88,79 @@ bool is_quantized(const WeightFiles& w, const std::string& key) {
          w.has(key + "." + quant_state_suffix(QuantType::FP4));
 }
 
-QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
-                               const Shape& expect_shape) {
-  QuantizedWeight q;
-  std::string qs_key = key + "." + quant_state_suffix(QuantType::NF4);
-  if (!w.has(qs_key)) qs_key = key + "." + quant_state_suffix(QuantType::FP4);
-  if (!w.has(qs_key))
-    bad_input("{}: tensor '{}' has no quant state '{}.{}'", w.path_of(key), key, key,
-              quant_state_suffix(QuantType::NF4));
-  const std::string qs_file = w.path_of(qs_key);
-  auto where = [&](const std::string& t) {
-    return fmt::format("{}: tensor '{}'", w.path_of(t), t);
-  };
+namespace {
 
-  // The JSON quant state.
+// "<file>: tensor '<name>'", how errors name a tensor.
+std::string tensor_at(const WeightFiles& w, const std::string& t) {
+  return fmt::format("{}: tensor '{}'", w.path_of(t), t);
+}
+
+// The quant-state JSON's scalars into q: quant type (matching the tensor's name `qs_key`),
+// blocksize, dtype, shape (against `expect_shape` when given) and the nested fields.
+void read_quant_state(const WeightFiles& w, const std::string& key, const std::string& qs_key,
+                      const Shape& expect_shape, QuantizedWeight& q) {
+  const std::string at = tensor_at(w, qs_key);
   const TensorInfo& qi = w.info(qs_key);
   if (qi.dtype != DType::U8 || qi.shape.size() != 1)
-    bad_input("{}: the quant state must be U8 [bytes], found {} {}", where(qs_key),
-              dtype_name(qi.dtype), shape_str(qi.shape));
+    bad_input("{}: the quant state must be U8 [bytes], found {} {}", at, dtype_name(qi.dtype),
+              shape_str(qi.shape));
   Tensor qb = w.get(qs_key);
   const std::string text(static_cast<const char*>(qb.raw()), qb.nbytes());
   json js;
   try {
     js = json::parse(text);
   } catch (const json::exception& e) {
-    bad_input("{}: the quant state is not valid JSON: {}", where(qs_key), e.what());
+    bad_input("{}: the quant state is not valid JSON: {}", at, e.what());
   }
-  if (!js.is_object()) bad_input("{}: the quant state must be a JSON object", where(qs_key));
+  if (!js.is_object()) bad_input("{}: the quant state must be a JSON object", at);
   auto field = [&](const char* k) -> const json& {
-    if (!js.contains(k)) bad_input("{}: the quant state has no '{}': {}", where(qs_key), k, text);
+    if (!js.contains(k)) bad_input("{}: the quant state has no '{}': {}", at, k, text);
     return js[k];
   };
   const json& qt = field("quant_type");
   if (!qt.is_string() || !parse_quant_type(qt.get<std::string>(), &q.type))
-    bad_input("{}: unknown quant_type {} (rig reads bitsandbytes' nf4 and fp4)", where(qs_key),
-              qt.dump());
+    bad_input("{}: unknown quant_type {} (rig reads bitsandbytes' nf4 and fp4)", at, qt.dump());
   if (qs_key != key + "." + quant_state_suffix(q.type))
-    bad_input("{}: quant_type \"{}\" does not match the tensor's name", where(qs_key),
+    bad_input("{}: quant_type \"{}\" does not match the tensor's name", at,
               quant_type_name(q.type));
   const json& bs = field("blocksize");
   if (!bs.is_number_integer() || bs.get<int64_t>() <= 0 || bs.get<int64_t>() > (1 << 20))
-    bad_input("{}: blocksize {} must be a positive integer", where(qs_key), bs.dump());
+    bad_input("{}: blocksize {} must be a positive integer", at, bs.dump());
   q.blocksize = bs.get<int64_t>();
   const json& dt = field("dtype");
   if (!dt.is_string() || !dtype_from_json_name(dt.get<std::string>(), &q.dtype))
-    bad_input("{}: dtype {} is not float32, bfloat16 or float16", where(qs_key), dt.dump());
+    bad_input("{}: dtype {} is not float32, bfloat16 or float16", at, dt.dump());
   const json& sh = field("shape");
   bool shape_ok = sh.is_array() && !sh.empty();
   if (shape_ok)
     for (const auto& d : sh)
       shape_ok = shape_ok && d.is_number_integer() && d.get<int64_t>() >= 0 &&
                  d.get<int64_t>() < (int64_t(1) << 40);
-  if (!shape_ok) bad_input("{}: shape {} is not a list of sizes", where(qs_key), sh.dump());
+  if (!shape_ok) bad_input("{}: shape {} is not a list of sizes", at, sh.dump());
   for (const auto& d : sh) q.shape.push_back(d.get<int64_t>());
   if (!expect_shape.empty() && q.shape != expect_shape)
     bad_input(
-        "{}: the quant state's shape {} differs from the {} that config.json implies for '{}'",
-        where(qs_key), shape_str(q.shape), shape_str(expect_shape), key);
+        "{}: the quant state's shape {} differs from the {} that config.json implies for '{}'", at,
+        shape_str(q.shape), shape_str(expect_shape), key);
   q.nested = js.contains("nested_offset") || js.contains("nested_blocksize");
   if (q.nested) {
     const json& nbs = field("nested_blocksize");
     if (!nbs.is_number_integer() || nbs.get<int64_t>() <= 0)
-      bad_input("{}: nested_blocksize {} must be a positive integer", where(qs_key), nbs.dump());
+      bad_input("{}: nested_blocksize {} must be a positive integer", at, nbs.dump());
     q.nested_blocksize = nbs.get<int64_t>();
     if (js.contains("nested_dtype") && js["nested_dtype"] != "float32")
-      bad_input("{}: nested_dtype {} (bitsandbytes writes float32)", where(qs_key),
-                js["nested_dtype"].dump());
+      bad_input("{}: nested_dtype {} (bitsandbytes writes float32)", at, js["nested_dtype"].dump());
     const json& off = field("nested_offset");
-    if (!off.is_number())
-      bad_input("{}: nested_offset {} is not a number", where(qs_key), off.dump());
+    if (!off.is_number()) bad_input("{}: nested_offset {} is not a number", at, off.dump());
     q.nested_offset = float(off.get<double>());
   }
+}
 
+// Every tensor a quant state of this shape needs is there, with its dtype and size.
+void check_state_tensors(const WeightFiles& w, const std::string& key, const std::string& qs_key,
+                         const QuantizedWeight& q) {
+  auto where = [&](const std::string& t) { return tensor_at(w, t); };
+  const std::string qs_file = w.path_of(qs_key);
   const int64_t n = q.numel(), nb = q.n_blocks();
   auto need = [&](const std::string& k) -> const TensorInfo& {
     if (!w.has(k))
@@ -190,7 +191,22 @@ QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
     expect(key + ".nested_absmax", DType::F32, nn, nnote.c_str());
     expect(key + ".nested_quant_map", DType::F32, 256, "the 8-bit dynamic code");
   }
+}
 
+}  // namespace
+
+QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
+                               const Shape& expect_shape) {
+  QuantizedWeight q;
+  std::string qs_key = key + "." + quant_state_suffix(QuantType::NF4);
+  if (!w.has(qs_key)) qs_key = key + "." + quant_state_suffix(QuantType::FP4);
+  if (!w.has(qs_key))
+    bad_input("{}: tensor '{}' has no quant state '{}.{}'", w.path_of(key), key, key,
+              quant_state_suffix(QuantType::NF4));
+  read_quant_state(w, key, qs_key, expect_shape, q);
+  check_state_tensors(w, key, qs_key, q);
+  const int64_t n = q.numel(), nb = q.n_blocks();
+  const size_t want_bytes = size_t((n + 1) / 2);
   Tensor packed = w.get(key);
   q.packed = Tensor::empty({int64_t(want_bytes), 1}, DType::U8, Device::cpu(), "nf4 weight");
   std::memcpy(q.packed.raw(), packed.raw(), want_bytes);
@@ -200,7 +216,7 @@ QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
   for (int i = 0; i < 16; ++i)
     if (q.quant_map.f32()[i] != table[size_t(i)])
       bad_input("{}: value {} is {} but bitsandbytes' {} code has {} there",
-                where(key + ".quant_map"), i, q.quant_map.f32()[i], quant_type_name(q.type),
+                tensor_at(w, key + ".quant_map"), i, q.quant_map.f32()[i], quant_type_name(q.type),
                 table[size_t(i)]);
   if (q.nested) {
     q.nested_absmax = w.get(key + ".nested_absmax").clone("nf4 nested_absmax");

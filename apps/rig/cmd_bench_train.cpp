@@ -133,6 +133,28 @@ nlohmann::json profile_step(rig::Device dev, const std::function<void()>& step,
   return breakdown;
 }
 
+// The result as lines for a person (without --json): the profiled step's breakdown, then one
+// summary line.
+void print_text(const Opts& o, const nlohmann::json& r) {
+  if (r.contains("breakdown")) {
+    const nlohmann::json& breakdown = r["breakdown"];
+    const double step = breakdown["step_ms"];
+    for (const auto& [k, v] : breakdown.items())
+      if (k != "step_ms" && k != "ops")
+        fmt::print("  {:<16} {:9.2f} ms  {:5.1f}%\n", k, v.get<double>(),
+                   100.0 * v.get<double>() / step);
+    fmt::print("  {:<16} {:9.2f} ms\n", "profiled step", step);
+  }
+  fmt::print(
+      "{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
+      "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
+      o.method, r["parameters"].get<int64_t>(), r["trainable_parameters"].get<int64_t>(), o.batch,
+      o.seq, o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, r["tokens_per_s"].get<double>(),
+      r["step_ms"].get<double>(), r["tflops"].get<double>(),
+      rig::format_bytes(r["peak_memory_bytes"].get<double>()),
+      rig::format_bytes(r["peak_reserved_bytes"].get<double>()));
+}
+
 int run(const Opts& o) {
   check_flags(o);
   const rig::Device dev = rig::Device::parse(o.device);
@@ -201,24 +223,10 @@ int run(const Opts& o) {
                       {"peak_reserved_bytes", alloc.peak_reserved()},
                       {"losses", losses}};
   if (!breakdown.is_null()) r["breakdown"] = breakdown;
-  if (o.json) {
+  if (o.json)
     fmt::print("{}\n", r.dump());
-  } else {
-    if (!breakdown.is_null()) {
-      const double step = breakdown["step_ms"];
-      for (const auto& [k, v] : breakdown.items())
-        if (k != "step_ms" && k != "ops")
-          fmt::print("  {:<16} {:9.2f} ms  {:5.1f}%\n", k, v.get<double>(), 100.0 * v.get<double>() / step);
-      fmt::print("  {:<16} {:9.2f} ms\n", "profiled step", step);
-    }
-    fmt::print(
-        "{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
-        "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
-        o.method, int64_t(n), m->num_parameters(true), o.batch, o.seq,
-        o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, tokens / secs,
-        1e3 * secs / double(o.steps), tokens / secs * flops_per_token / 1e12,
-        rig::format_bytes(double(alloc.peak())), rig::format_bytes(double(alloc.peak_reserved())));
-  }
+  else
+    print_text(o, r);
   return 0;
 }
 

@@ -14,6 +14,88 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+// What run_inspect found, as lines for a person: the architecture, the quantization, then one
+// line per tensor and the totals.
+void print_text(const std::string& path, const json& out,
+                const std::optional<rig::ModelConfig>& cfg) {
+  if (cfg) {
+    fmt::print(
+        "{}: {} with {} layers, hidden {}, {} heads ({} kv, head_dim {}), vocab {}, rope {}\n",
+        path, cfg->model_type, cfg->num_layers, cfg->hidden_size, cfg->num_heads, cfg->num_kv_heads,
+        cfg->head_dim, cfg->vocab_size, cfg->rope.type);
+  }
+  if (out.contains("quantization")) {
+    const json& q = out["quantization"];
+    fmt::print(
+        "quantization: bitsandbytes {}, blocks of {}, {}double quantization; {} weights "
+        "({} parameters) in {} ({:.3f} bits a parameter){}\n",
+        q["quant_type"].get<std::string>(), q["blocksize"].dump(),
+        q["double_quant"] == true ? "" : "no ", q["quantized_tensors"].get<int64_t>(),
+        q["quantized_parameters"].get<int64_t>(),
+        rig::format_bytes(double(q["quantized_bytes"].get<size_t>())),
+        q["bits_per_parameter"].get<double>(),
+        q.contains("compute_dtype")
+            ? fmt::format(", compute dtype {}", q["compute_dtype"].get<std::string>())
+            : "");
+  }
+  fmt::print("{:<64} {:<5} {:<16} {:>12}\n", "tensor", "dtype", "shape", "bytes");
+  const json& tensors = out["tensors"];
+  for (const auto& t : tensors)
+    fmt::print("{:<64} {:<5} {:<16} {:>12}\n", t["name"].get<std::string>(),
+               t["dtype"].get<std::string>(), t["shape"].dump(), t["bytes"].get<size_t>());
+  fmt::print("{} tensors, {} parameters, {} in {} file(s)\n", tensors.size(),
+             out["parameters"].get<int64_t>(),
+             rig::format_bytes(double(out["bytes"].get<size_t>())), out["files"].get<size_t>());
+}
+
+// bitsandbytes 4-bit weights in the files: the packed tensor and its companions count as one
+// weight.
+struct QuantScan {
+  std::set<std::string> companions;  // every tensor of a 4-bit weight
+  int64_t tensors = 0, params = 0;
+  size_t bytes = 0;
+  std::set<std::string> types, blocks, nested;
+};
+
+QuantScan scan_quantized(const rig::WeightFiles& w) {
+  QuantScan qs;
+  for (const auto& name : w.names()) {
+    if (!rig::quant::is_quantized(w, name)) continue;
+    auto q = rig::quant::load_quantized(w, name);
+    for (const auto& [k, t] : rig::quant::state_dict(name, q)) {
+      qs.companions.insert(k);
+      qs.bytes += w.info(k).end - w.info(k).begin;
+    }
+    ++qs.tensors;
+    qs.params += q.numel();
+    qs.types.insert(rig::quant::quant_type_name(q.type));
+    qs.blocks.insert(std::to_string(q.blocksize));
+    qs.nested.insert(q.nested ? "true" : "false");
+  }
+  return qs;
+}
+
+// The "quantization" entry: what the 4-bit weights are, and config.json's settings for them.
+json quantization_json(const QuantScan& qs, const std::optional<rig::quant::QuantConfig>& qcfg) {
+  auto one = [](const std::set<std::string>& s) { return fmt::format("{}", fmt::join(s, ",")); };
+  json quant = {
+      {"method", "bitsandbytes"},
+      {"quant_type", one(qs.types)},
+      {"blocksize", one(qs.blocks)},
+      {"double_quant", one(qs.nested)},
+      {"quantized_tensors", qs.tensors},
+      {"quantized_parameters", qs.params},
+      {"quantized_bytes", qs.bytes},
+      {"bits_per_parameter", qs.params ? 8.0 * double(qs.bytes) / double(qs.params) : 0.0}};
+  if (qs.blocks.size() == 1) quant["blocksize"] = std::stoll(*qs.blocks.begin());
+  if (qs.nested.size() == 1) quant["double_quant"] = *qs.nested.begin() == "true";
+  if (qcfg) {
+    quant["compute_dtype"] = qcfg->compute_dtype;
+    quant["quant_storage"] = qcfg->storage;
+  }
+  return quant;
+}
+
 int run_inspect(const std::string& path, bool as_json) {
   bool is_dir = fs::is_directory(path);
   if (!is_dir && !fs::exists(path)) rig::bad_input("{}: no such file or folder", path);
@@ -26,54 +108,19 @@ int run_inspect(const std::string& path, bool as_json) {
   json tensors = json::array();
   int64_t params = 0;
   size_t bytes = 0;
-  // bitsandbytes 4-bit weights: the packed tensor and its companions count as one weight.
-  std::set<std::string> companions;
-  json quant = json::object();
-  int64_t q_tensors = 0, q_params = 0;
-  size_t q_bytes = 0;
-  std::set<std::string> q_types, q_blocks, q_nested;
-  for (const auto& name : w.names()) {
-    if (!rig::quant::is_quantized(w, name)) continue;
-    auto q = rig::quant::load_quantized(w, name);
-    for (const auto& [k, t] : rig::quant::state_dict(name, q)) {
-      companions.insert(k);
-      q_bytes += w.info(k).end - w.info(k).begin;
-    }
-    ++q_tensors;
-    q_params += q.numel();
-    q_types.insert(rig::quant::quant_type_name(q.type));
-    q_blocks.insert(std::to_string(q.blocksize));
-    q_nested.insert(q.nested ? "true" : "false");
-  }
+  const QuantScan qs = scan_quantized(w);
   for (const auto& name : w.names()) {
     const auto& t = w.info(name);
     int64_t n = rig::shape_numel(t.shape);
-    if (!companions.count(name)) params += n;
+    if (!qs.companions.count(name)) params += n;
     bytes += t.end - t.begin;
     tensors.push_back({{"name", name}, {"dtype", std::string(rig::dtype_name(t.dtype))},
                        {"shape", t.shape}, {"bytes", t.end - t.begin}});
   }
-  params += q_params;
+  params += qs.params;
   std::optional<rig::quant::QuantConfig> qcfg;
   if (cfg) qcfg = rig::quant::parse_quantization_config(cfg->raw, path + "/config.json");
-  if (q_tensors || qcfg) {
-    auto one = [](const std::set<std::string>& s) { return fmt::format("{}", fmt::join(s, ",")); };
-    quant = {{"method", "bitsandbytes"},
-             {"quant_type", one(q_types)},
-             {"blocksize", one(q_blocks)},
-             {"double_quant", one(q_nested)},
-             {"quantized_tensors", q_tensors},
-             {"quantized_parameters", q_params},
-             {"quantized_bytes", q_bytes},
-             {"bits_per_parameter", q_params ? 8.0 * double(q_bytes) / double(q_params) : 0.0}};
-    if (q_blocks.size() == 1) quant["blocksize"] = std::stoll(*q_blocks.begin());
-    if (q_nested.size() == 1) quant["double_quant"] = *q_nested.begin() == "true";
-    if (qcfg) {
-      quant["compute_dtype"] = qcfg->compute_dtype;
-      quant["quant_storage"] = qcfg->storage;
-    }
-    out["quantization"] = quant;
-  }
+  if (qs.tensors || qcfg) out["quantization"] = quantization_json(qs, qcfg);
   out["parameters"] = params;
   out["bytes"] = bytes;
   out["files"] = w.files().size();
@@ -92,35 +139,10 @@ int run_inspect(const std::string& path, bool as_json) {
                            {"config_parameters", cfg->num_parameters()}};
   }
   out["tensors"] = tensors;
-  if (as_json) {
+  if (as_json)
     std::cout << out.dump(1) << "\n";
-    return 0;
-  }
-  if (cfg) {
-    fmt::print("{}: {} with {} layers, hidden {}, {} heads ({} kv, head_dim {}), vocab {}, rope {}\n",
-               path, cfg->model_type, cfg->num_layers, cfg->hidden_size, cfg->num_heads,
-               cfg->num_kv_heads, cfg->head_dim, cfg->vocab_size, cfg->rope.type);
-  }
-  if (out.contains("quantization")) {
-    const json& q = out["quantization"];
-    fmt::print(
-        "quantization: bitsandbytes {}, blocks of {}, {}double quantization; {} weights "
-        "({} parameters) in {} ({:.3f} bits a parameter){}\n",
-        q["quant_type"].get<std::string>(), q["blocksize"].dump(),
-        q["double_quant"] == true ? "" : "no ", q["quantized_tensors"].get<int64_t>(),
-        q["quantized_parameters"].get<int64_t>(),
-        rig::format_bytes(double(q["quantized_bytes"].get<size_t>())),
-        q["bits_per_parameter"].get<double>(),
-        q.contains("compute_dtype")
-            ? fmt::format(", compute dtype {}", q["compute_dtype"].get<std::string>())
-            : "");
-  }
-  fmt::print("{:<64} {:<5} {:<16} {:>12}\n", "tensor", "dtype", "shape", "bytes");
-  for (const auto& t : tensors)
-    fmt::print("{:<64} {:<5} {:<16} {:>12}\n", t["name"].get<std::string>(),
-               t["dtype"].get<std::string>(), t["shape"].dump(), t["bytes"].get<size_t>());
-  fmt::print("{} tensors, {} parameters, {} in {} file(s)\n", tensors.size(), params,
-             rig::format_bytes(double(bytes)), w.files().size());
+  else
+    print_text(path, out, cfg);
   return 0;
 }
 

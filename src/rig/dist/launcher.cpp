@@ -112,23 +112,11 @@ int exit_code(int status) {
   return 1;
 }
 
-}  // namespace
-
-int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv, const EnvMap& extra_env) {
-  if (o.nproc_per_node < 1) bad_input("--nproc-per-node {} must be at least 1", o.nproc_per_node);
-  if (o.nnodes < 1) bad_input("--nnodes {} must be at least 1", o.nnodes);
-  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
-    bad_input("--node-rank {} is outside 0..{}", o.node_rank, o.nnodes - 1);
-  if (argv.empty()) fail("launch: empty command");
-  int port = o.master_port;
-  if (port == 0) {
-    if (o.nnodes > 1) port = 29500;
-    else port = free_port();
-  }
+// The environment of each local worker: this process's, extra_env, and the torchrun-style
+// variables of its rank, as "KEY=value" strings.
+std::vector<std::vector<std::string>> worker_envs(const LaunchOptions& o, int port,
+                                                  const EnvMap& extra_env) {
   int world = o.nproc_per_node * o.nnodes;
-  std::string exe = o.exe.empty() ? "/proc/self/exe" : o.exe;
-
-  // Everything the child needs is built before fork: only exec-safe calls after it.
   EnvMap base = process_env();
   for (auto& [k, v] : extra_env) base[k] = v;
   base["WORLD_SIZE"] = std::to_string(world);
@@ -147,18 +135,16 @@ int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv, c
     for (auto& [k, v] : e) flat.push_back(k + "=" + v);
     envs.push_back(std::move(flat));
   }
-  std::vector<char*> args;
-  for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
+  return envs;
+}
 
-  sigset_t mask, old;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGINT);
-  sigaddset(&mask, SIGTERM);
-  sigaddset(&mask, SIGCHLD);
-  pthread_sigmask(SIG_BLOCK, &mask, &old);
+// Forks and execs one worker per local rank (signals blocked; `old` is the mask they get back).
+// A failed fork kills the ones already started and throws.
+std::vector<Child> fork_workers(const LaunchOptions& o, const std::string& exe,
+                                std::vector<char*>& args,
+                                const std::vector<std::vector<std::string>>& envs,
+                                const sigset_t& old) {
   pid_t parent = getpid();
-
   std::vector<Child> kids;
   for (int l = 0; l < o.nproc_per_node; l++) {
     std::vector<char*> envp;
@@ -184,10 +170,15 @@ int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv, c
     }
     kids.push_back({o.node_rank * o.nproc_per_node + l, pid});
   }
+  return kids;
+}
 
+// Waits for the workers: passes SIGINT/SIGTERM on, and when one fails gives the others o.grace,
+// then SIGTERM, then SIGKILL. Returns the launcher's exit code; `failed`: a worker failed first.
+int supervise(std::vector<Child>& kids, const sigset_t& mask, const LaunchOptions& o,
+              bool& failed) {
   int result = 0;
   int interrupted = 0;
-  bool failed = false;
   Clock::time_point term_at = Clock::time_point::max(), kill_at = Clock::time_point::max();
   auto running = [&] {
     int n = 0;
@@ -243,6 +234,43 @@ int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv, c
       kill_at = Clock::time_point::max();
     }
   }
+  return result;
+}
+
+}  // namespace
+
+int launch_local(const LaunchOptions& o, const std::vector<std::string>& argv,
+                 const EnvMap& extra_env) {
+  if (o.nproc_per_node < 1) bad_input("--nproc-per-node {} must be at least 1", o.nproc_per_node);
+  if (o.nnodes < 1) bad_input("--nnodes {} must be at least 1", o.nnodes);
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    bad_input("--node-rank {} is outside 0..{}", o.node_rank, o.nnodes - 1);
+  if (argv.empty()) fail("launch: empty command");
+  int port = o.master_port;
+  if (port == 0) {
+    if (o.nnodes > 1)
+      port = 29500;
+    else
+      port = free_port();
+  }
+  std::string exe = o.exe.empty() ? "/proc/self/exe" : o.exe;
+
+  // Everything the child needs is built before fork: only exec-safe calls after it.
+  const std::vector<std::vector<std::string>> envs = worker_envs(o, port, extra_env);
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+
+  sigset_t mask, old;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGCHLD);
+  pthread_sigmask(SIG_BLOCK, &mask, &old);
+
+  std::vector<Child> kids = fork_workers(o, exe, args, envs, old);
+  bool failed = false;
+  const int result = supervise(kids, mask, o, failed);
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   if (failed) {
     for (auto& k : kids)

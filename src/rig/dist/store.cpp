@@ -224,6 +224,7 @@ void StoreServer::Impl::serve(int fd) {
 
 void StoreServer::Impl::handle(int fd, int& rank, bool& said_bye, uint8_t op,
                                std::vector<std::string>& a) {
+  // Long on purpose: one switch, a case per request op.
   auto need = [&](size_t n) {
     if (a.size() < n) fail("store: request {} with {} arguments, expected {}", int(op), a.size(), n);
   };

@@ -264,6 +264,91 @@ std::vector<Check> DoctorReport::failing() const {
   return out;
 }
 
+namespace {
+
+// The CUDA libraries found (NCCL, the runtime against the driver, cuDNN) as checks.
+void check_libraries(DoctorReport& r) {
+  for (const auto& l : r.libraries) {
+    bool multi = r.gpus.size() > 1;
+    if (l.name == "nccl") {
+      if (l.found)
+        r.checks.push_back({"nccl", -1, Verdict::ok, l.version + " (" + l.library + ")"});
+      else
+        r.checks.push_back({"nccl", -1, multi ? Verdict::warn : Verdict::skip,
+                            "not found (" + l.error + ")" +
+                                (multi ? ": multi-GPU training needs libnccl.so.2" : "")});
+    } else if (l.name == "cudart") {
+      if (!l.found) {
+        r.checks.push_back(
+            {"cuda_runtime", -1, Verdict::skip, "libcudart not found (" + l.error + ")"});
+      } else if (r.cuda_driver_version && l.raw / 1000 > r.cuda_driver_version / 1000) {
+        r.checks.push_back(
+            {"cuda_runtime", -1, Verdict::fail,
+             fmt::format("CUDA runtime {} needs a newer driver (this one supports CUDA {}): "
+                         "update the NVIDIA driver",
+                         l.version, cuda_version_string(r.cuda_driver_version))});
+      } else if (r.cuda_driver_version && l.raw > r.cuda_driver_version) {
+        // Minor-version compatibility: it runs, but PTX newer than the driver cannot be
+        // JIT-compiled.
+        r.checks.push_back(
+            {"cuda_runtime", -1, Verdict::warn,
+             fmt::format("CUDA runtime {} is newer than the driver's CUDA {}: runs under "
+                         "minor-version compatibility, but kernels shipped only as PTX fail",
+                         l.version, cuda_version_string(r.cuda_driver_version))});
+      } else {
+        r.checks.push_back({"cuda_runtime", -1, Verdict::ok, l.version + " (" + l.library + ")"});
+      }
+    } else if (l.name == "cudnn") {
+      r.checks.push_back({"cudnn", -1, l.found ? Verdict::ok : Verdict::skip,
+                          l.found ? l.version + " (" + l.library + ")" : "not found (optional)"});
+    }
+  }
+}
+
+// hwloc's view of the machine, and whether the GPUs hang off more than one NUMA node.
+void check_topology(DoctorReport& r, const std::vector<std::string>& bus_ids,
+                    const DoctorOptions& opt) {
+  r.topology = probe_topology(bus_ids, opt.topology_xml);
+  if (!r.topology.ok) {
+    r.checks.push_back({"topology", -1, Verdict::skip, "hwloc: " + r.topology.error});
+  } else {
+    std::string d = fmt::format("{} package(s), {} NUMA node(s), {} cores", r.topology.packages,
+                                r.topology.numa_nodes, r.topology.cores);
+    int unplaced = int(std::count_if(r.topology.gpus.begin(), r.topology.gpus.end(),
+                                     [](const GpuPlacement& p) { return !p.found; }));
+    if (unplaced) d += fmt::format("; {} GPU(s) not in hwloc's PCI tree", unplaced);
+    if (r.topology.spans_numa_nodes()) {
+      r.checks.push_back(
+          {"topology", -1, Verdict::warn,
+           d + ": GPUs hang off different NUMA nodes; traffic between them crosses the "
+               "CPU interconnect, so bind each rank to its GPU's node (numactl "
+               "--cpunodebind) and prefer pairs on one node"});
+    } else {
+      r.checks.push_back({"topology", -1, Verdict::ok, d});
+    }
+  }
+}
+
+// Peer-to-peer access between the GPUs, measured unless --no-p2p or one GPU.
+void check_p2p(DoctorReport& r, const std::vector<std::string>& bus_ids, const DoctorOptions& opt) {
+  if (opt.measure_p2p && r.gpus.size() > 1) {
+    r.p2p = measure_p2p(bus_ids);
+  } else {
+    r.p2p.note = r.gpus.size() > 1 ? "not measured (--no-p2p)" : "not measured (one GPU)";
+    r.p2p.can_access.assign(r.gpus.size(), std::vector<int>(r.gpus.size(), -1));
+    r.p2p.gbps.assign(r.gpus.size(), std::vector<double>(r.gpus.size(), 0.0));
+  }
+  if (r.gpus.size() > 1)
+    r.checks.push_back({"p2p", -1, r.p2p.measured ? Verdict::ok : Verdict::skip,
+                        r.p2p.measured
+                            ? (r.p2p.any_denied() ? "peer access denied for some pairs (expected "
+                                                    "on GeForce): NCCL uses host memory"
+                                                  : "peer access available")
+                            : r.p2p.note});
+}
+
+}  // namespace
+
 DoctorReport run_doctor(const DoctorOptions& opt) {
   DoctorReport r;
   r.strict = opt.strict;
@@ -300,79 +385,14 @@ DoctorReport run_doctor(const DoctorOptions& opt) {
                          join({names.begin(), names.end()}, ", "))});
     }
   }
-  for (const auto& l : r.libraries) {
-    bool multi = r.gpus.size() > 1;
-    if (l.name == "nccl") {
-      if (l.found)
-        r.checks.push_back({"nccl", -1, Verdict::ok, l.version + " (" + l.library + ")"});
-      else
-        r.checks.push_back({"nccl", -1, multi ? Verdict::warn : Verdict::skip,
-                            "not found (" + l.error + ")" +
-                                (multi ? ": multi-GPU training needs libnccl.so.2" : "")});
-    } else if (l.name == "cudart") {
-      if (!l.found) {
-        r.checks.push_back(
-            {"cuda_runtime", -1, Verdict::skip, "libcudart not found (" + l.error + ")"});
-      } else if (r.cuda_driver_version && l.raw / 1000 > r.cuda_driver_version / 1000) {
-        r.checks.push_back(
-            {"cuda_runtime", -1, Verdict::fail,
-             fmt::format("CUDA runtime {} needs a newer driver (this one supports CUDA {}): "
-                         "update the NVIDIA driver",
-                         l.version, cuda_version_string(r.cuda_driver_version))});
-      } else if (r.cuda_driver_version && l.raw > r.cuda_driver_version) {
-        // Minor-version compatibility: it runs, but PTX newer than the driver cannot be
-        // JIT-compiled.
-        r.checks.push_back(
-            {"cuda_runtime", -1, Verdict::warn,
-             fmt::format("CUDA runtime {} is newer than the driver's CUDA {}: runs under "
-                         "minor-version compatibility, but kernels shipped only as PTX fail",
-                         l.version, cuda_version_string(r.cuda_driver_version))});
-      } else {
-        r.checks.push_back({"cuda_runtime", -1, Verdict::ok, l.version + " (" + l.library + ")"});
-      }
-    } else if (l.name == "cudnn") {
-      r.checks.push_back({"cudnn", -1, l.found ? Verdict::ok : Verdict::skip,
-                          l.found ? l.version + " (" + l.library + ")" : "not found (optional)"});
-    }
-  }
+  check_libraries(r);
   for (size_t i = 0; i < r.gpus.size() && i < r.samples.size(); ++i)
     for (auto& c : check_gpu(r.gpus[i], r.samples[i])) r.checks.push_back(c);
 
   std::vector<std::string> bus_ids;
   for (auto& g : r.gpus) bus_ids.push_back(g.pci_bus_id);
-  r.topology = probe_topology(bus_ids, opt.topology_xml);
-  if (!r.topology.ok) {
-    r.checks.push_back({"topology", -1, Verdict::skip, "hwloc: " + r.topology.error});
-  } else {
-    std::string d = fmt::format("{} package(s), {} NUMA node(s), {} cores", r.topology.packages,
-                                r.topology.numa_nodes, r.topology.cores);
-    int unplaced = int(std::count_if(r.topology.gpus.begin(), r.topology.gpus.end(),
-                                     [](const GpuPlacement& p) { return !p.found; }));
-    if (unplaced) d += fmt::format("; {} GPU(s) not in hwloc's PCI tree", unplaced);
-    if (r.topology.spans_numa_nodes()) {
-      r.checks.push_back(
-          {"topology", -1, Verdict::warn,
-           d + ": GPUs hang off different NUMA nodes; traffic between them crosses the "
-               "CPU interconnect, so bind each rank to its GPU's node (numactl "
-               "--cpunodebind) and prefer pairs on one node"});
-    } else {
-      r.checks.push_back({"topology", -1, Verdict::ok, d});
-    }
-  }
-  if (opt.measure_p2p && r.gpus.size() > 1) {
-    r.p2p = measure_p2p(bus_ids);
-  } else {
-    r.p2p.note = r.gpus.size() > 1 ? "not measured (--no-p2p)" : "not measured (one GPU)";
-    r.p2p.can_access.assign(r.gpus.size(), std::vector<int>(r.gpus.size(), -1));
-    r.p2p.gbps.assign(r.gpus.size(), std::vector<double>(r.gpus.size(), 0.0));
-  }
-  if (r.gpus.size() > 1)
-    r.checks.push_back({"p2p", -1, r.p2p.measured ? Verdict::ok : Verdict::skip,
-                        r.p2p.measured
-                            ? (r.p2p.any_denied() ? "peer access denied for some pairs (expected "
-                                                    "on GeForce): NCCL uses host memory"
-                                                  : "peer access available")
-                            : r.p2p.note});
+  check_topology(r, bus_ids, opt);
+  check_p2p(r, bus_ids, opt);
   AdviceInputs in{r.gpus, r.p2p, list_net_interfaces(opt.sysfs_root),
                   list_infiniband(opt.sysfs_root)};
   r.advice = nccl_advice(in);
@@ -432,6 +452,7 @@ std::string num(const std::optional<double>& v, const char* unit, const char* f 
 }  // namespace
 
 std::string DoctorReport::to_text(bool color) const {
+  // Long on purpose: the report's lines, in the order they are printed.
   std::string o;
   auto line = [&](const std::string& s) { o += s + "\n"; };
   line("Versions");

@@ -159,6 +159,7 @@ std::string fmt_value(double v) {
 
 std::string prometheus_text(const std::vector<GpuInfo>& gpus, const std::vector<GpuSample>& samples,
                             const std::vector<uint64_t>& last_xid, const PromLabels& labels) {
+  // Long on purpose: a table of metric families, one row each.
   using Get = std::function<std::optional<double>(const GpuSample&, size_t)>;
   auto u = [](auto v) -> std::optional<double> {
     return v ? std::optional<double>(double(*v)) : std::nullopt;
@@ -391,6 +392,28 @@ struct Shared {
   PromLabels labels;
   std::string run_dir;
 
+  // A sample's readings into the dashboard's history (keeping `keep` points per GPU), and
+  // the new alerts (the last 100).
+  void record(const std::vector<GpuSample>& samples, const std::vector<Alert>& fresh, size_t keep) {
+    std::lock_guard lock(mu);
+    latest = samples;
+    for (auto& s : samples) {
+      auto& h = history[s.index];
+      h.push_back({{"t", s.time},
+                   {"temp", s.temp_c ? json(*s.temp_c) : json(nullptr)},
+                   {"power", s.power_w ? json(*s.power_w) : json(nullptr)},
+                   {"util", s.util_gpu_pct ? json(*s.util_gpu_pct) : json(nullptr)},
+                   {"sm", s.sm_clock_mhz ? json(*s.sm_clock_mhz) : json(nullptr)},
+                   {"fb_used", s.fb_used ? json(double(*s.fb_used) / (1 << 20)) : json(nullptr)}});
+      while (h.size() > keep) h.pop_front();
+      if (!s.xids.empty()) last_xid[s.index] = s.xids.back();
+    }
+    for (auto& a : fresh) {
+      alerts.push_back(a.to_json());
+      while (alerts.size() > 100) alerts.pop_front();
+    }
+  }
+
   json state() {
     std::lock_guard lock(mu);
     json j;
@@ -446,6 +469,44 @@ std::string clock_string(double t) {
   return buf;
 }
 
+// --prometheus PORT: /metrics for Prometheus to scrape; none without the option.
+std::unique_ptr<Server> serve_prometheus(const std::shared_ptr<Shared>& sh, const WatchOptions& opt,
+                                         std::ostream& out) {
+  if (opt.prometheus_port < 0) return nullptr;
+  auto prom = std::make_unique<Server>();
+  prom->svr.Get("/metrics", [sh](const httplib::Request&, httplib::Response& res) {
+    res.set_content(sh->metrics(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  prom->start(opt.bind, opt.prometheus_port, "--prometheus");
+  out << fmt::format("prometheus: http://{}:{}/metrics\n", opt.bind, prom->port);
+  return prom;
+}
+
+// --http PORT: the dashboard, its JSON state and the run's metrics, and /metrics; none without
+// the option.
+std::unique_ptr<Server> serve_dashboard(const std::shared_ptr<Shared>& sh, const WatchOptions& opt,
+                                        std::ostream& out) {
+  if (opt.http_port < 0) return nullptr;
+  auto http = std::make_unique<Server>();
+  http->svr.Get("/", [sh](const httplib::Request&, httplib::Response& res) {
+    res.set_content(dashboard_html(sh->state()), "text/html; charset=utf-8");
+  });
+  http->svr.Get("/api/state", [sh](const httplib::Request&, httplib::Response& res) {
+    res.set_content(sh->state().dump(), "application/json");
+  });
+  http->svr.Get("/api/run", [sh](const httplib::Request&, httplib::Response& res) {
+    json j =
+        sh->run_dir.empty() ? json{{"error", "no --run DIR given"}} : read_run_metrics(sh->run_dir);
+    res.set_content(j.dump(), "application/json");
+  });
+  http->svr.Get("/metrics", [sh](const httplib::Request&, httplib::Response& res) {
+    res.set_content(sh->metrics(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  http->start(opt.bind, opt.http_port, "--http");
+  out << fmt::format("dashboard: http://{}:{}/\n", opt.bind, http->port);
+  return http;
+}
+
 }  // namespace
 
 int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool>* stop,
@@ -467,60 +528,15 @@ int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool
   auto take_sample = [&] {
     auto samples = tel.sample();
     auto fresh = tracker.update(sh->gpus, samples);
-    {
-      std::lock_guard lock(sh->mu);
-      sh->latest = samples;
-      for (auto& s : samples) {
-        auto& h = sh->history[s.index];
-        h.push_back(
-            {{"t", s.time},
-             {"temp", s.temp_c ? json(*s.temp_c) : json(nullptr)},
-             {"power", s.power_w ? json(*s.power_w) : json(nullptr)},
-             {"util", s.util_gpu_pct ? json(*s.util_gpu_pct) : json(nullptr)},
-             {"sm", s.sm_clock_mhz ? json(*s.sm_clock_mhz) : json(nullptr)},
-             {"fb_used", s.fb_used ? json(double(*s.fb_used) / (1 << 20)) : json(nullptr)}});
-        while (h.size() > opt.history) h.pop_front();
-        if (!s.xids.empty()) sh->last_xid[s.index] = s.xids.back();
-      }
-      for (auto& a : fresh) {
-        sh->alerts.push_back(a.to_json());
-        while (sh->alerts.size() > 100) sh->alerts.pop_front();
-      }
-    }
+    sh->record(samples, fresh, opt.history);
     if (log) log->write(sh->gpus, samples);
     alerts += int(fresh.size());
     return std::make_pair(samples, fresh);
   };
 
   auto first = take_sample();
-  std::unique_ptr<Server> prom, http;
-  if (opt.prometheus_port >= 0) {
-    prom = std::make_unique<Server>();
-    prom->svr.Get("/metrics", [sh](const httplib::Request&, httplib::Response& res) {
-      res.set_content(sh->metrics(), "text/plain; version=0.0.4; charset=utf-8");
-    });
-    prom->start(opt.bind, opt.prometheus_port, "--prometheus");
-    out << fmt::format("prometheus: http://{}:{}/metrics\n", opt.bind, prom->port);
-  }
-  if (opt.http_port >= 0) {
-    http = std::make_unique<Server>();
-    http->svr.Get("/", [sh](const httplib::Request&, httplib::Response& res) {
-      res.set_content(dashboard_html(sh->state()), "text/html; charset=utf-8");
-    });
-    http->svr.Get("/api/state", [sh](const httplib::Request&, httplib::Response& res) {
-      res.set_content(sh->state().dump(), "application/json");
-    });
-    http->svr.Get("/api/run", [sh](const httplib::Request&, httplib::Response& res) {
-      json j = sh->run_dir.empty() ? json{{"error", "no --run DIR given"}}
-                                   : read_run_metrics(sh->run_dir);
-      res.set_content(j.dump(), "application/json");
-    });
-    http->svr.Get("/metrics", [sh](const httplib::Request&, httplib::Response& res) {
-      res.set_content(sh->metrics(), "text/plain; version=0.0.4; charset=utf-8");
-    });
-    http->start(opt.bind, opt.http_port, "--http");
-    out << fmt::format("dashboard: http://{}:{}/\n", opt.bind, http->port);
-  }
+  std::unique_ptr<Server> prom = serve_prometheus(sh, opt, out);
+  std::unique_ptr<Server> http = serve_dashboard(sh, opt, out);
   out.flush();
   if (ready) ready(prom ? prom->port : -1, http ? http->port : -1);
 

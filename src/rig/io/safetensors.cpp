@@ -19,6 +19,55 @@ namespace rig {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+namespace {
+
+// One tensor's header entry: dtype, shape and data_offsets, checked against the data buffer's
+// size (the offsets' order and coverage are checked over all tensors afterwards).
+TensorInfo parse_tensor_entry(const std::string& path, const std::string& name, const json& v,
+                              size_t buffer) {
+  auto where = [&](const char* what) {
+    return fmt::format("{}: tensor '{}': {}", path, name, what);
+  };
+  if (!v.is_object()) bad_input("{}", where("entry is not an object"));
+  TensorInfo t;
+  t.name = name;
+  if (!v.contains("dtype") || !v["dtype"].is_string()) bad_input("{}", where("missing dtype"));
+  std::string dt = v["dtype"];
+  if (!dtype_from_name(dt, &t.dtype) || t.dtype == DType::NF4)
+    bad_input("{}: tensor '{}': unknown dtype '{}'", path, name, dt);
+  if (!v.contains("shape") || !v["shape"].is_array()) bad_input("{}", where("missing shape"));
+  int64_t numel = 1;
+  for (auto& d : v["shape"]) {
+    if (!d.is_number_integer() || d.get<int64_t>() < 0)
+      bad_input("{}: tensor '{}': shape {} has a non-integer or negative dimension", path, name,
+                v["shape"].dump());
+    int64_t dim = d.get<int64_t>();
+    if (dim && numel > (int64_t(1) << 50) / dim)
+      bad_input("{}: tensor '{}': shape {} is too large", path, name, v["shape"].dump());
+    numel *= dim;
+    t.shape.push_back(dim);
+  }
+  const json off = v.contains("data_offsets") ? v["data_offsets"] : json();
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+      !off[1].is_number_unsigned())
+    bad_input("{}", where("data_offsets must be two non-negative integers"));
+  t.begin = off[0].get<uint64_t>();
+  t.end = off[1].get<uint64_t>();
+  if (t.begin > t.end)
+    bad_input("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, name, t.begin,
+              t.end);
+  if (t.end > buffer)
+    bad_input("{}: tensor '{}': data_offsets [{}, {}] run past the end of the data ({} bytes)",
+              path, name, t.begin, t.end, buffer);
+  size_t want = dtype_nbytes(t.dtype, numel);
+  if (t.end - t.begin != want)
+    bad_input("{}: tensor '{}': {} {} needs {} bytes but data_offsets [{}, {}] hold {}", path, name,
+              dt, shape_str(t.shape), want, t.begin, t.end, t.end - t.begin);
+  return t;
+}
+
+}  // namespace
+
 SafeTensorsHeader parse_safetensors_header(const uint8_t* data, size_t file_size,
                                            const std::string& path) {
   if (file_size < 8)
@@ -52,43 +101,7 @@ SafeTensorsHeader parse_safetensors_header(const uint8_t* data, size_t file_size
       }
       continue;
     }
-    auto where = [&](const char* what) { return fmt::format("{}: tensor '{}': {}", path, name, what); };
-    if (!v.is_object()) bad_input("{}", where("entry is not an object"));
-    TensorInfo t;
-    t.name = name;
-    if (!v.contains("dtype") || !v["dtype"].is_string()) bad_input("{}", where("missing dtype"));
-    std::string dt = v["dtype"];
-    if (!dtype_from_name(dt, &t.dtype) || t.dtype == DType::NF4)
-      bad_input("{}: tensor '{}': unknown dtype '{}'", path, name, dt);
-    if (!v.contains("shape") || !v["shape"].is_array()) bad_input("{}", where("missing shape"));
-    int64_t numel = 1;
-    for (auto& d : v["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        bad_input("{}: tensor '{}': shape {} has a non-integer or negative dimension", path, name,
-                  v["shape"].dump());
-      int64_t dim = d.get<int64_t>();
-      if (dim && numel > (int64_t(1) << 50) / dim)
-        bad_input("{}: tensor '{}': shape {} is too large", path, name, v["shape"].dump());
-      numel *= dim;
-      t.shape.push_back(dim);
-    }
-    const json off = v.contains("data_offsets") ? v["data_offsets"] : json();
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
-        !off[1].is_number_unsigned())
-      bad_input("{}", where("data_offsets must be two non-negative integers"));
-    t.begin = off[0].get<uint64_t>();
-    t.end = off[1].get<uint64_t>();
-    if (t.begin > t.end)
-      bad_input("{}: tensor '{}': data_offsets [{}, {}] end before they begin", path, name, t.begin,
-                t.end);
-    if (t.end > buffer)
-      bad_input("{}: tensor '{}': data_offsets [{}, {}] run past the end of the data ({} bytes)",
-                path, name, t.begin, t.end, buffer);
-    size_t want = dtype_nbytes(t.dtype, numel);
-    if (t.end - t.begin != want)
-      bad_input("{}: tensor '{}': {} {} needs {} bytes but data_offsets [{}, {}] hold {}", path, name,
-                dt, shape_str(t.shape), want, t.begin, t.end, t.end - t.begin);
-    h.tensors.push_back(std::move(t));
+    h.tensors.push_back(parse_tensor_entry(path, name, v, buffer));
   }
   std::stable_sort(h.tensors.begin(), h.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;

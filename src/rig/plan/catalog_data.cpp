@@ -3,6 +3,7 @@
 
 namespace rig::plan {
 const char* builtin_catalog_yaml() {
+  // Long on purpose: the catalogue is one YAML literal, the file as it is.
   return R"YAML(# GPU catalog for `rig plan`. Add or override cards with `rig plan --catalog my.yaml`: an entry
 # with a known key overrides only the fields it gives; a new key adds a card.
 # This file is compiled into rig (src/rig/plan/catalog_data.cpp); plan_test checks they match.

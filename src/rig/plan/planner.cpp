@@ -204,16 +204,12 @@ Flops flops_per_token(const ModelConfig& m, const TrainSetup& s) {
   return f;
 }
 
-Plan make_plan(const PlanInput& input, const Catalog& catalog) {
-  Plan p;
-  p.in = input;
-  PlanInput& in = p.in;
-  if (in.nodes < 1) bad_input("--nodes {}: expected >= 1", in.nodes);
-  if (in.efficiency <= 0 || in.efficiency > 1)
-    bad_input("--efficiency {}: expected (0, 1]", in.efficiency);
-  if (in.overlap < 0 || in.overlap > 1) bad_input("--overlap {}: expected [0, 1]", in.overlap);
-  if (in.setup.grad_accum < 1) bad_input("--grad-accum must be >= 1");
+namespace {
 
+// The cards of --gpus, one group per kind, and the world they make with --nodes (sharded falls
+// back to data parallel on one GPU). Returns the GPUs per node.
+int plan_groups(Plan& p, const Catalog& catalog) {
+  PlanInput& in = p.in;
   int per_node = 0;
   for (const auto& gc : parse_gpus(in.gpus)) {
     GroupPlan g;
@@ -229,10 +225,14 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
   in.setup.world_size = p.world;
   if (p.world == 1 && in.setup.strategy == Strategy::sharded)
     in.setup.strategy = Strategy::data_parallel;
+  return per_node;
+}
+
+// Memory per GPU against every card's budget, and the largest micro-batch and sequence that fit.
+void plan_memory(Plan& p) {
+  const PlanInput& in = p.in;
   const ModelConfig& m = in.model;
   const TrainSetup& s = in.setup;
-
-  // ---- memory ----
   p.memory = estimate_memory(m, s);
   p.fits = true;
   double budget = 1e300;
@@ -251,8 +251,11 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
       largest(1, 1 << 16, [&](int64_t b) { return fits_at(m, s, budget, b, s.seq_len); });
   p.max_seq_len =
       largest(128, 1 << 22, [&](int64_t t) { return fits_at(m, s, budget, s.micro_batch, t); });
+}
 
-  // ---- links ----
+// Every GPU's PCIe link (from --pcie, --platform or the card's own); returns the chipset uplink.
+double plan_links(Plan& p, int per_node) {
+  const PlanInput& in = p.in;
   std::vector<PcieLink> links;
   double uplink = 0;
   if (!in.pcie.empty())
@@ -265,8 +268,15 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
       for (int k = 0; k < g.count; ++k, ++i)
         g.links.push_back(links.empty() ? PcieLink{g.gpu->pcie_gen, 16, false} : links[i]);
   }
+  return uplink;
+}
 
-  // ---- speed ----
+// Compute: tokens per second of every group at --efficiency and --power-limit; the slowest sets
+// the step.
+void plan_compute(Plan& p) {
+  const PlanInput& in = p.in;
+  const ModelConfig& m = in.model;
+  const TrainSetup& s = in.setup;
   p.flops = flops_per_token(m, s);
   const double fpt = p.flops.per_token();
   p.tokens_per_step = double(p.world) * double(s.micro_batch * s.seq_len * s.grad_accum);
@@ -284,7 +294,12 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
     p.warnings.push_back(
         "mixed cards: every rank gets the same batch, so the slowest card sets the step time and "
         "the smallest card the memory limit");
+}
 
+// Communication per step over the slowest link of the ring (NVLink, PCIe, the network).
+void plan_comm(Plan& p, int per_node, double uplink) {
+  const PlanInput& in = p.in;
+  const TrainSetup& s = in.setup;
   if (p.world > 1) {
     // Bus bandwidth: the slowest link of the ring.
     double intra = 1e300;
@@ -342,20 +357,11 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
       p.comm_s = allgather_seconds(p.comm_bytes, p.world, p.busbw_gbs);
     }
   }
-  p.step_s = p.step_compute_s + (1 - in.overlap) * p.comm_s;
-  p.comm_share = p.step_s > 0 ? (1 - in.overlap) * p.comm_s / p.step_s : 0;
-  p.tokens_per_s = p.tokens_per_step / p.step_s;
-  p.job_hours = in.job_hours > 0 ? in.job_hours : in.tokens / p.tokens_per_s / 3600;
-  if (p.comm_share > 0.2)
-    p.warnings.push_back(
-        fmt::format("communication is {:.0f}% of the step: raise --grad-accum or use faster links",
-                    100 * p.comm_share));
-  bool host_staged = p.comm_path.find("host memory") != std::string::npos;
-  if (host_staged)
-    p.warnings.push_back(
-        "no peer-to-peer on these cards: NCCL stages every transfer through host memory");
+}
 
-  // ---- power (per node) ----
+// Power per node: sustained and transient draw, the PSU it needs, what --power-limit saves.
+void plan_power(Plan& p) {
+  const PlanInput& in = p.in;
   double tdp_sum = 0, transient_sum = 0;
   for (auto& g : p.groups) {
     double w = in.power_limit_w > 0 ? std::min(in.power_limit_w, g.gpu->tdp_w) : g.gpu->tdp_w;
@@ -387,8 +393,12 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
           "PSU {:.0f} W is under the recommended {:.0f} W (30% headroom, transients to {:.0f} W)",
           in.psu_w, p.psu_recommended_w, p.transient_w));
   }
+}
 
-  // ---- reliability ----
+// Reliability: silent bit errors without ECC, and the checkpoint interval (Young/Daly).
+void plan_reliability(Plan& p) {
+  const PlanInput& in = p.in;
+  const TrainSetup& s = in.setup;
   for (auto& g : p.groups) {
     if (g.gpu->ecc) continue;
     double fit = in.fit_per_gb >= 0 ? in.fit_per_gb : g.gpu->fit_per_gb;
@@ -414,8 +424,11 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
     p.failure_mtbf_hours = rate > 0 ? 1 / rate : 0;
     if (rate > 0) p.young_daly_s = std::sqrt(2 * p.checkpoint_s * p.failure_mtbf_hours * 3600);
   }
+}
 
-  // ---- cost ----
+// Cost: buying (hardware, resale, electricity) against renting the cloud cards for the same job.
+void plan_cost(Plan& p, const Catalog& catalog) {
+  const PlanInput& in = p.in;
   const double platform = in.platform_cost >= 0 ? in.platform_cost : 2000 * in.fx;
   if (in.hardware_cost >= 0) {
     p.hardware = in.hardware_cost;
@@ -459,6 +472,41 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
     double margin = cloud_per_own_hour - elec_per_hour;
     p.break_even_hours = margin > 0 ? (p.hardware - p.resale) / margin : -1;
   }
+}
+
+}  // namespace
+
+Plan make_plan(const PlanInput& input, const Catalog& catalog) {
+  Plan p;
+  p.in = input;
+  PlanInput& in = p.in;
+  if (in.nodes < 1) bad_input("--nodes {}: expected >= 1", in.nodes);
+  if (in.efficiency <= 0 || in.efficiency > 1)
+    bad_input("--efficiency {}: expected (0, 1]", in.efficiency);
+  if (in.overlap < 0 || in.overlap > 1) bad_input("--overlap {}: expected [0, 1]", in.overlap);
+  if (in.setup.grad_accum < 1) bad_input("--grad-accum must be >= 1");
+
+  const int per_node = plan_groups(p, catalog);
+  plan_memory(p);
+  const double uplink = plan_links(p, per_node);
+  plan_compute(p);
+  plan_comm(p, per_node, uplink);
+  p.step_s = p.step_compute_s + (1 - in.overlap) * p.comm_s;
+  p.comm_share = p.step_s > 0 ? (1 - in.overlap) * p.comm_s / p.step_s : 0;
+  p.tokens_per_s = p.tokens_per_step / p.step_s;
+  p.job_hours = in.job_hours > 0 ? in.job_hours : in.tokens / p.tokens_per_s / 3600;
+  if (p.comm_share > 0.2)
+    p.warnings.push_back(
+        fmt::format("communication is {:.0f}% of the step: raise --grad-accum or use faster links",
+                    100 * p.comm_share));
+  bool host_staged = p.comm_path.find("host memory") != std::string::npos;
+  if (host_staged)
+    p.warnings.push_back(
+        "no peer-to-peer on these cards: NCCL stages every transfer through host memory");
+
+  plan_power(p);
+  plan_reliability(p);
+  plan_cost(p, catalog);
   return p;
 }
 

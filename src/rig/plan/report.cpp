@@ -7,6 +7,7 @@
 namespace rig::plan {
 
 nlohmann::json Plan::to_json() const {
+  // Long on purpose: a flat list of fields, one per number the plan holds.
   using json = nlohmann::json;
   const TrainSetup& s = in.setup;
   json j;
@@ -125,6 +126,7 @@ std::string hours_str(double h) {
 }  // namespace
 
 std::string Plan::to_text() const {
+  // Long on purpose: the report's lines, in the order they are printed.
   const TrainSetup& s = in.setup;
   std::string o;
 #define LINE(...) o += fmt::format(__VA_ARGS__) + "\n"

@@ -31,22 +31,10 @@ bool weight_file(const fs::path& p) {
          (n.rfind("pytorch_model", 0) == 0 && p.extension() == ".bin");
 }
 
-}  // namespace
-
-QuantizeModelResult quantize_model(const std::string& in_dir, const std::string& out_dir,
-                                   const QuantizeModelOptions& opt) {
-  const QuantConfig& qc = opt.config;
-  if (qc.blocksize <= 0) bad_input("quantize: blocksize {} must be positive", qc.blocksize);
-  ModelConfig cfg = ModelConfig::load(in_dir);
-  const std::string cfg_path = (fs::path(in_dir) / "config.json").string();
-  if (cfg.raw.contains("quantization_config") && !cfg.raw["quantization_config"].is_null())
-    bad_input("{}: the model is quantized already (quantization_config)", cfg_path);
-  fs::create_directories(out_dir);
-  if (fs::equivalent(fs::path(in_dir), fs::path(out_dir)))
-    bad_input("quantize: --out {} is the input folder; write to another folder", out_dir);
-  WeightFiles w = WeightFiles::open_dir(in_dir);
-
-  // The decoder's linear weights: what transformers replaces with Linear4bit (lm_head excluded).
+// The decoder's linear weights: what transformers replaces with Linear4bit (lm_head excluded).
+// Each must be there, not quantized yet, and a 2-D float tensor.
+std::set<std::string> decoder_linears(const WeightFiles& w, const ModelConfig& cfg,
+                                      const std::string& in_dir) {
   std::set<std::string> linears;
   for (int64_t l = 0; l < cfg.num_layers; ++l)
     for (const auto& p : kProjections) {
@@ -63,24 +51,53 @@ QuantizeModelResult quantize_model(const std::string& in_dir, const std::string&
                   w.path_of(key), key, dtype_name(t.dtype), shape_str(t.shape));
       linears.insert(key);
     }
+  return linears;
+}
 
-  // Shards cut by the sizes the output will have, in the input's tensor order.
+// Shards cut by the sizes the output will have, in the input's tensor order; adds the input's
+// bytes to r.
+std::vector<std::vector<std::string>> plan_shards(const WeightFiles& w,
+                                                  const std::set<std::string>& linears,
+                                                  const QuantConfig& qc, size_t max_shard_bytes,
+                                                  QuantizeModelResult& r) {
   const std::vector<std::string> names = w.names();
   std::vector<std::vector<std::string>> plan(1);
   size_t cur = 0;
-  QuantizeModelResult r;
   for (const auto& name : names) {
     const TensorInfo& t = w.info(name);
     r.bytes_in += t.end - t.begin;
     const size_t b =
         linears.count(name) ? quantized_bytes_estimate(shape_numel(t.shape), qc) : t.end - t.begin;
-    if (cur > 0 && cur + b > opt.max_shard_bytes) {
+    if (cur > 0 && cur + b > max_shard_bytes) {
       plan.emplace_back();
       cur = 0;
     }
     plan.back().push_back(name);
     cur += b;
   }
+  return plan;
+}
+
+}  // namespace
+
+QuantizeModelResult quantize_model(const std::string& in_dir, const std::string& out_dir,
+                                   const QuantizeModelOptions& opt) {
+  const QuantConfig& qc = opt.config;
+  if (qc.blocksize <= 0) bad_input("quantize: blocksize {} must be positive", qc.blocksize);
+  ModelConfig cfg = ModelConfig::load(in_dir);
+  const std::string cfg_path = (fs::path(in_dir) / "config.json").string();
+  if (cfg.raw.contains("quantization_config") && !cfg.raw["quantization_config"].is_null())
+    bad_input("{}: the model is quantized already (quantization_config)", cfg_path);
+  fs::create_directories(out_dir);
+  if (fs::equivalent(fs::path(in_dir), fs::path(out_dir)))
+    bad_input("quantize: --out {} is the input folder; write to another folder", out_dir);
+  WeightFiles w = WeightFiles::open_dir(in_dir);
+
+  const std::set<std::string> linears = decoder_linears(w, cfg, in_dir);
+
+  QuantizeModelResult r;
+  const std::vector<std::vector<std::string>> plan =
+      plan_shards(w, linears, qc, opt.max_shard_bytes, r);
   r.shards = int(plan.size());
 
   json weight_map = json::object();

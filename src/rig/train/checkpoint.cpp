@@ -152,6 +152,47 @@ ValueStats value_stats(const Tensor& t) {
 
 // ---- saving -------------------------------------------------------------------
 
+namespace {
+
+// The manifest's entry of every tensor in a safetensors file: name, dtype, shape, bytes, xxh3.
+json tensor_entries(const std::string& tensors_path) {
+  json tl = json::array();
+  SafeTensorsFile f = SafeTensorsFile::open(tensors_path);
+  for (const auto& info : f.tensors()) {
+    Tensor v = f.get(info.name);
+    tl.push_back({{"name", info.name},
+                  {"dtype", std::string(dtype_name(info.dtype))},
+                  {"shape", info.shape},
+                  {"bytes", info.end - info.begin},
+                  {"xxh3", xxh3_hex(v.raw(), info.end - info.begin)}});
+  }
+  return tl;
+}
+
+// Housekeeping after saving `step`: stale dot-folders of killed writers and deletions, then the
+// oldest checkpoints beyond keep_last.
+void prune_checkpoints(const std::string& run_dir, int64_t step, int64_t keep_last) {
+  fs::path root = fs::path(run_dir) / "checkpoints";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    std::string n = e.path().filename().string();
+    if (n.rfind(".step-", 0) == 0 && e.is_directory()) fs::remove_all(e.path(), ec);
+  }
+  if (keep_last > 0) {
+    // Oldest first, never the one just written (after a rollback it may not be the newest).
+    auto all = list_checkpoints(run_dir);
+    size_t excess = all.size() > size_t(keep_last) ? all.size() - size_t(keep_last) : 0;
+    for (size_t i = 0; i < all.size() && excess > 0; ++i) {
+      if (all[i].step == step) continue;
+      remove_checkpoint_dir(all[i].dir);
+      --excess;
+    }
+    fsync_dir(root.string());
+  }
+}
+
+}  // namespace
+
 std::string save_checkpoint(const std::string& run_dir, int64_t step,
                             const std::vector<std::pair<std::string, Tensor>>& tensors,
                             const json& state, int64_t keep_last,
@@ -185,19 +226,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
   m["format"] = kCheckpointFormat;
   m["step"] = step;
   m["created"] = iso_now();
-  json tl = json::array();
-  {
-    SafeTensorsFile f = SafeTensorsFile::open(tensors_path);
-    for (const auto& info : f.tensors()) {
-      Tensor v = f.get(info.name);
-      tl.push_back({{"name", info.name},
-                    {"dtype", std::string(dtype_name(info.dtype))},
-                    {"shape", info.shape},
-                    {"bytes", info.end - info.begin},
-                    {"xxh3", xxh3_hex(v.raw(), info.end - info.begin)}});
-    }
-  }
-  m["tensors"] = tl;
+  m["tensors"] = tensor_entries(tensors_path);
   m["files"] = json::object();
   std::vector<std::string> files = {kTensorsFile, kStateFile};
   for (const auto& f : extra_files) {
@@ -226,22 +255,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step,
   if (ec) fail("{}: cannot rename into place: {}", final_dir.string(), ec.message());
   fsync_dir(root.string());
 
-  // Housekeeping: stale dot-folders of killed writers and deletions, then the oldest checkpoints.
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    std::string n = e.path().filename().string();
-    if (n.rfind(".step-", 0) == 0 && e.is_directory()) fs::remove_all(e.path(), ec);
-  }
-  if (keep_last > 0) {
-    // Oldest first, never the one just written (after a rollback it may not be the newest).
-    auto all = list_checkpoints(run_dir);
-    size_t excess = all.size() > size_t(keep_last) ? all.size() - size_t(keep_last) : 0;
-    for (size_t i = 0; i < all.size() && excess > 0; ++i) {
-      if (all[i].step == step) continue;
-      remove_checkpoint_dir(all[i].dir);
-      --excess;
-    }
-    fsync_dir(root.string());
-  }
+  prune_checkpoints(run_dir, step, keep_last);
   return final_dir.string();
 }
 
@@ -334,160 +348,193 @@ LoadedCheckpoint load_checkpoint(const std::string& dir) {
 // ---- verifying ----------------------------------------------------------------------
 
 namespace {
-VerifyReport verify_checkpoint_unchecked(const std::string& dir, const VerifyOptions& opt) {
-  fs::path d(dir);
-  if (!fs::is_directory(d)) bad_input("{}: no such checkpoint folder", dir);
-  VerifyReport r;
-  r.dir = dir;
-  auto problem = [&](std::string where, std::string what) {
-    r.problems.push_back({std::move(where), std::move(what)});
-  };
-  if (auto s = parse_step_name(d.filename().string())) r.step = *s;
 
-  // The manifest.
+// One verification under way: the folder, the options, and the report each check adds its
+// problems to, in the order they are found.
+struct Verification {
+  fs::path d;
+  const VerifyOptions& opt;
+  VerifyReport r;
+  void problem(std::string where, std::string what) {
+    r.problems.push_back({std::move(where), std::move(what)});
+  }
+};
+
+// The manifest: present, of this format, with files and tensors, and the folder's step. Sets
+// r.manifest_ok; what it returns means something only then.
+json check_manifest(Verification& v) {
+  VerifyReport& r = v.r;
   json m;
-  std::string mpath = (d / kManifestFile).string();
+  std::string mpath = (v.d / kManifestFile).string();
   if (!fs::exists(mpath)) {
-    problem(kManifestFile, "missing: the checkpoint was never completed (its writer was killed?)");
+    v.problem(kManifestFile,
+              "missing: the checkpoint was never completed (its writer was killed?)");
   } else {
     try {
       m = read_json_file(mpath);
       if (!m.is_object() || m.value("format", "") != kCheckpointFormat)
-        problem(kManifestFile, fmt::format("not a {} manifest", kCheckpointFormat));
+        v.problem(kManifestFile, fmt::format("not a {} manifest", kCheckpointFormat));
       else if (!m.contains("files") || !m["files"].is_object() || !m.contains("tensors") ||
                !m["tensors"].is_array())
-        problem(kManifestFile, "lacks 'files' or 'tensors'");
+        v.problem(kManifestFile, "lacks 'files' or 'tensors'");
       else
         r.manifest_ok = true;
     } catch (const std::exception& e) {
-      problem(kManifestFile, e.what());
+      v.problem(kManifestFile, e.what());
     }
   }
   if (r.manifest_ok) {
     int64_t ms = m.value("step", int64_t(-1));
     if (r.step >= 0 && ms != r.step)
-      problem(kManifestFile, fmt::format("step {} but the folder says {}", ms, r.step));
+      v.problem(kManifestFile, fmt::format("step {} but the folder says {}", ms, r.step));
     r.step = ms;
   }
+  return m;
+}
 
-  // Files: present, sized and hashed as recorded.
-  if (r.manifest_ok) {
-    for (auto& [name, f] : m["files"].items()) {
-      fs::path p = d / name;
-      std::error_code ec;
-      if (!fs::exists(p)) {
-        problem(name, "missing");
-        continue;
-      }
-      uint64_t size = fs::file_size(p, ec);
-      r.bytes += size;
-      if (size != f.value("bytes", uint64_t(0))) {
-        problem(name, fmt::format("{} bytes, the manifest says {} (truncated?)", size,
+// Files: present, sized and hashed as the manifest records.
+void check_files(Verification& v, json& m) {
+  for (auto& [name, f] : m["files"].items()) {
+    fs::path p = v.d / name;
+    std::error_code ec;
+    if (!fs::exists(p)) {
+      v.problem(name, "missing");
+      continue;
+    }
+    uint64_t size = fs::file_size(p, ec);
+    v.r.bytes += size;
+    if (size != f.value("bytes", uint64_t(0))) {
+      v.problem(name, fmt::format("{} bytes, the manifest says {} (truncated?)", size,
                                   f.value("bytes", uint64_t(0))));
-        continue;
-      }
-      std::string h = xxh3_file_hex(p.string());
-      if (h != f.value("xxh3", ""))
-        problem(name, fmt::format("checksum {} does not match the manifest's {}", h,
+      continue;
+    }
+    std::string h = xxh3_file_hex(p.string());
+    if (h != f.value("xxh3", ""))
+      v.problem(name, fmt::format("checksum {} does not match the manifest's {}", h,
                                   f.value("xxh3", "")));
-    }
   }
+}
 
-  // The trainer state.
-  fs::path sp = d / kStateFile;
+// The trainer state: a JSON object of the checkpoint's step.
+void check_state(Verification& v) {
+  fs::path sp = v.d / kStateFile;
   if (!fs::exists(sp)) {
-    if (!r.manifest_ok) problem(kStateFile, "missing");
-  } else {
+    if (!v.r.manifest_ok) v.problem(kStateFile, "missing");
+    return;
+  }
+  try {
+    json st = read_json_file(sp.string());
+    if (!st.is_object())
+      v.problem(kStateFile, "is not a JSON object");
+    else if (v.r.step >= 0 && st.value("step", int64_t(-1)) != v.r.step)
+      v.problem(kStateFile, fmt::format("step {} but the checkpoint is step {}",
+                                        st.value("step", json()).dump(), v.r.step));
+  } catch (const std::exception& e) {
+    v.problem(kStateFile, e.what());
+  }
+}
+
+// NaN/Inf and implausible magnitudes in one float tensor.
+void scan_values(Verification& v, const std::string& where, const std::string& name,
+                 const Tensor& t) {
+  ++v.r.tensors_scanned;
+  ValueStats s = value_stats(t);
+  if (!s.finite())
+    v.problem(where, fmt::format("{} NaN and {} Inf of {} values (first at flat index {})", s.nan,
+                                 s.inf, t.numel(), s.first_bad_at));
+  double limit = v.opt.max_abs;
+  for (const auto& [pat, lim] : v.opt.max_abs_for)
+    if (name.find(pat) != std::string::npos) {
+      limit = lim;
+      break;
+    }
+  if (limit > 0 && s.max_abs > limit)
+    v.problem(where, fmt::format("|x| = {:.4g} at flat index {} is above the plausible limit {:g}",
+                                 s.max_abs, s.max_abs_at, limit));
+}
+
+// Other ranks' files (sharded checkpoints): their checksums are the manifest's file entries
+// (check_files); their values are scanned here.
+void scan_other_ranks(Verification& v, json& m) {
+  for (auto& [name, fe] : m["files"].items()) {
+    if (name == kTensorsFile || !name.ends_with(".safetensors") || !fs::exists(v.d / name))
+      continue;
     try {
-      json st = read_json_file(sp.string());
-      if (!st.is_object())
-        problem(kStateFile, "is not a JSON object");
-      else if (r.step >= 0 && st.value("step", int64_t(-1)) != r.step)
-        problem(kStateFile, fmt::format("step {} but the checkpoint is step {}",
-                                        st.value("step", json()).dump(), r.step));
+      SafeTensorsFile sf = SafeTensorsFile::open((v.d / name).string());
+      for (const auto& info : sf.tensors()) {
+        ++v.r.tensors;
+        if (is_float_dtype(info.dtype))
+          scan_values(v, fmt::format("tensor '{}' in {}", info.name, name), info.name,
+                      sf.get(info.name));
+      }
     } catch (const std::exception& e) {
-      problem(kStateFile, e.what());
+      v.problem(name, e.what());
     }
   }
+}
 
-  // Tensors: each against its manifest entry, then its values.
+// This rank's tensors: each against its manifest entry, then its values.
+void check_tensors(Verification& v, json& m, SafeTensorsFile& f) {
+  std::map<std::string, json> listed;
+  if (v.r.manifest_ok)
+    for (const auto& e : m["tensors"]) listed[e.value("name", "")] = e;
+  for (const auto& [name, e] : listed)
+    if (!f.has(name))
+      v.problem(fmt::format("tensor '{}'", name), "in the manifest but not in the file");
+  v.r.tensors += f.tensors().size();
+  for (const auto& info : f.tensors()) {
+    std::string where = fmt::format("tensor '{}'", info.name);
+    Tensor t = f.get(info.name);
+    size_t nb = info.end - info.begin;
+    if (v.r.manifest_ok) {
+      auto it = listed.find(info.name);
+      if (it == listed.end()) {
+        v.problem(where, "not in the manifest");
+      } else {
+        const json& e = it->second;
+        std::string h = xxh3_hex(t.raw(), nb);
+        if (e.value("dtype", "") != dtype_name(info.dtype) ||
+            e.value("shape", json()) != json(info.shape))
+          v.problem(where, fmt::format("is {} {}, the manifest says {} {}", dtype_name(info.dtype),
+                                       shape_str(info.shape), e.value("dtype", ""),
+                                       e.value("shape", json()).dump()));
+        else if (h != e.value("xxh3", ""))
+          v.problem(where, fmt::format("checksum {} does not match the manifest's {} (corrupted "
+                                       "bytes)",
+                                       h, e.value("xxh3", "")));
+      }
+    }
+    if (!v.opt.scan_values || !is_float_dtype(info.dtype)) continue;
+    scan_values(v, where, info.name, t);
+  }
+}
+
+VerifyReport verify_checkpoint_unchecked(const std::string& dir, const VerifyOptions& opt) {
+  fs::path d(dir);
+  if (!fs::is_directory(d)) bad_input("{}: no such checkpoint folder", dir);
+  Verification v{d, opt, {}};
+  v.r.dir = dir;
+  if (auto s = parse_step_name(d.filename().string())) v.r.step = *s;
+  json m = check_manifest(v);
+  if (v.r.manifest_ok) check_files(v, m);
+  check_state(v);
   fs::path tp = d / kTensorsFile;
   if (!fs::exists(tp)) {
-    if (!r.manifest_ok) problem(kTensorsFile, "missing");
-    return r;
+    if (!v.r.manifest_ok) v.problem(kTensorsFile, "missing");
+    return v.r;
   }
   std::optional<SafeTensorsFile> f;
   try {
     f = SafeTensorsFile::open(tp.string());
   } catch (const std::exception& e) {
-    problem(kTensorsFile, e.what());
-    return r;
+    v.problem(kTensorsFile, e.what());
+    return v.r;
   }
-  // NaN/Inf and implausible magnitudes in one float tensor.
-  auto scan = [&](const std::string& where, const std::string& name, const Tensor& t) {
-    ++r.tensors_scanned;
-    ValueStats s = value_stats(t);
-    if (!s.finite())
-      problem(where, fmt::format("{} NaN and {} Inf of {} values (first at flat index {})", s.nan,
-                                 s.inf, t.numel(), s.first_bad_at));
-    double limit = opt.max_abs;
-    for (const auto& [pat, lim] : opt.max_abs_for)
-      if (name.find(pat) != std::string::npos) {
-        limit = lim;
-        break;
-      }
-    if (limit > 0 && s.max_abs > limit)
-      problem(where, fmt::format("|x| = {:.4g} at flat index {} is above the plausible limit {:g}",
-                                 s.max_abs, s.max_abs_at, limit));
-  };
-  // Other ranks' files (sharded checkpoints): their checksums are the manifest's file entries
-  // above; their values are scanned here.
-  if (r.manifest_ok && opt.scan_values)
-    for (auto& [name, fe] : m["files"].items()) {
-      if (name == kTensorsFile || !name.ends_with(".safetensors") || !fs::exists(d / name)) continue;
-      try {
-        SafeTensorsFile sf = SafeTensorsFile::open((d / name).string());
-        for (const auto& info : sf.tensors()) {
-          ++r.tensors;
-          if (is_float_dtype(info.dtype))
-            scan(fmt::format("tensor '{}' in {}", info.name, name), info.name, sf.get(info.name));
-        }
-      } catch (const std::exception& e) {
-        problem(name, e.what());
-      }
-    }
-  std::map<std::string, json> listed;
-  if (r.manifest_ok)
-    for (const auto& e : m["tensors"]) listed[e.value("name", "")] = e;
-  for (const auto& [name, e] : listed)
-    if (!f->has(name)) problem(fmt::format("tensor '{}'", name), "in the manifest but not in the file");
-  r.tensors += f->tensors().size();
-  for (const auto& info : f->tensors()) {
-    std::string where = fmt::format("tensor '{}'", info.name);
-    Tensor t = f->get(info.name);
-    size_t nb = info.end - info.begin;
-    if (r.manifest_ok) {
-      auto it = listed.find(info.name);
-      if (it == listed.end()) {
-        problem(where, "not in the manifest");
-      } else {
-        const json& e = it->second;
-        std::string h = xxh3_hex(t.raw(), nb);
-        if (e.value("dtype", "") != dtype_name(info.dtype) || e.value("shape", json()) != json(info.shape))
-          problem(where, fmt::format("is {} {}, the manifest says {} {}", dtype_name(info.dtype),
-                                     shape_str(info.shape), e.value("dtype", ""),
-                                     e.value("shape", json()).dump()));
-        else if (h != e.value("xxh3", ""))
-          problem(where, fmt::format("checksum {} does not match the manifest's {} (corrupted "
-                                     "bytes)",
-                                     h, e.value("xxh3", "")));
-      }
-    }
-    if (!opt.scan_values || !is_float_dtype(info.dtype)) continue;
-    scan(where, info.name, t);
-  }
-  return r;
+  if (v.r.manifest_ok && opt.scan_values) scan_other_ranks(v, m);
+  check_tensors(v, m, *f);
+  return v.r;
 }
+
 }  // namespace
 
 VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opt) {

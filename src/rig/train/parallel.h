@@ -7,6 +7,9 @@
 //                 4-bit weights (QLoRA's base) are sharded as the bytes they are stored in.
 // Plus what resuming on another world size needs: loader positions of every rank, and sharded
 // checkpoints (one file per rank and a layout) re-sliced for any world.
+// The code, one file a role: parallel.cpp (DataParallel, PowerSGD), parallel_sharded.cpp (flat
+// units, Sharded), parallel_resume.cpp (loader positions, sharded checkpoint files), with
+// parallel_impl.h for what the last two share.
 #pragma once
 #include <functional>
 #include <map>

@@ -171,6 +171,87 @@ std::optional<double> number(const json& r, const char* k) {
   return std::isfinite(v) ? std::optional<double>(v) : std::nullopt;
 }
 
+// The summary table's rows: last and best losses, throughput, memory, wall time.
+std::vector<std::pair<std::string, std::string>> summarize(const MetricsFile& mf) {
+  std::optional<double> last_loss, min_loss, last_eval, best_eval, first_t, last_t;
+  int64_t min_loss_step = -1, best_eval_step = -1, last_step = -1, steps = 0;
+  double tps_sum = 0;
+  int64_t tps_n = 0;
+  double peak = 0;
+  for (const auto& r : mf.rows) {
+    if (r.contains("event")) continue;
+    auto step = number(r, "step");
+    if (step) last_step = std::max(last_step, int64_t(*step));
+    if (auto l = number(r, "loss")) {
+      ++steps;
+      last_loss = l;
+      if (!min_loss || *l < *min_loss) min_loss = l, min_loss_step = step ? int64_t(*step) : -1;
+    }
+    if (auto e = number(r, "eval_loss")) {
+      last_eval = e;
+      if (!best_eval || *e < *best_eval) best_eval = e, best_eval_step = step ? int64_t(*step) : -1;
+    }
+    if (auto t = number(r, "tokens_per_s"); t && *t > 0) tps_sum += *t, ++tps_n;
+    if (auto p = number(r, "peak_memory_bytes")) peak = std::max(peak, *p);
+    if (auto t = number(r, "time")) {
+      first_t = first_t ? std::min(*first_t, *t) : *t;
+      last_t = last_t ? std::max(*last_t, *t) : *t;
+    }
+  }
+  auto opt4 = [](std::optional<double> v) {
+    return v ? fmt::format("{:.4f}", *v) : std::string("–");
+  };
+  return {
+      {"last step", last_step >= 0 ? std::to_string(last_step) : "–"},
+      {"steps logged", std::to_string(steps)},
+      {"last loss", opt4(last_loss)},
+      {"lowest loss", min_loss ? fmt::format("{:.4f} (step {})", *min_loss, min_loss_step) : "–"},
+      {"last eval loss", opt4(last_eval)},
+      {"best eval loss",
+       best_eval ? fmt::format("{:.4f} (step {})", *best_eval, best_eval_step) : "–"},
+      {"mean throughput", tps_n ? format_count(tps_sum / double(tps_n)) + " tokens/s" : "–"},
+      {"peak memory", peak > 0 ? format_bytes(peak) : "–"},
+      {"wall time", first_t && last_t ? format_duration(*last_t - *first_t) : "–"}};
+}
+
+// The guard's events, one line each: the step, the event and its fields (docs/reliability.md
+// lists them).
+std::string events_html(const std::vector<json>& events) {
+  std::string h;
+  h += "<h2>Guard events</h2>\n<table class=\"events\"><tr><th>step</th><th>event</th>"
+       "<th>details</th></tr>\n";
+  for (const auto& e : events) {
+    std::string details;
+    for (auto& [k, v] : e.items()) {
+      if (k == "event" || k == "step" || k == "time") continue;
+      details += (details.empty() ? "" : "; ") + k + " " +
+                 (v.is_string() ? v.get<std::string>() : v.dump());
+    }
+    h += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>\n",
+                     html_escape(e.value("step", json()).dump()), html_escape(e.value("event", "")),
+                     html_escape(details));
+  }
+  h += "</table>\n";
+  return h;
+}
+
+// The complete checkpoints of the run, by step.
+std::string checkpoints_html(const std::string& run_dir) {
+  std::string h;
+  auto ckpts = list_checkpoints(run_dir);
+  h += "<h2>Checkpoints</h2>\n";
+  if (ckpts.empty()) {
+    h += "<p>none complete</p>\n";
+  } else {
+    h += "<table class=\"checkpoints\"><tr><th>step</th><th>folder</th></tr>\n";
+    for (const auto& c : ckpts)
+      h += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td></tr>\n", c.step,
+                       html_escape(c.dir));
+    h += "</table>\n";
+  }
+  return h;
+}
+
 }  // namespace
 
 std::string render_report_html(const std::string& run_dir) {
@@ -209,43 +290,7 @@ std::string render_report_html(const std::string& run_dir) {
   for (const auto& k : numeric)
     if (!shown.count(k)) charts.push_back({"chart-x-" + k, k, k, 1});
 
-  // The summary.
-  std::optional<double> last_loss, min_loss, last_eval, best_eval, first_t, last_t;
-  int64_t min_loss_step = -1, best_eval_step = -1, last_step = -1, steps = 0;
-  double tps_sum = 0;
-  int64_t tps_n = 0;
-  double peak = 0;
-  for (const auto& r : mf.rows) {
-    if (r.contains("event")) continue;
-    auto step = number(r, "step");
-    if (step) last_step = std::max(last_step, int64_t(*step));
-    if (auto l = number(r, "loss")) {
-      ++steps;
-      last_loss = l;
-      if (!min_loss || *l < *min_loss) min_loss = l, min_loss_step = step ? int64_t(*step) : -1;
-    }
-    if (auto e = number(r, "eval_loss")) {
-      last_eval = e;
-      if (!best_eval || *e < *best_eval) best_eval = e, best_eval_step = step ? int64_t(*step) : -1;
-    }
-    if (auto t = number(r, "tokens_per_s"); t && *t > 0) tps_sum += *t, ++tps_n;
-    if (auto p = number(r, "peak_memory_bytes")) peak = std::max(peak, *p);
-    if (auto t = number(r, "time")) {
-      first_t = first_t ? std::min(*first_t, *t) : *t;
-      last_t = last_t ? std::max(*last_t, *t) : *t;
-    }
-  }
-  auto opt4 = [](std::optional<double> v) { return v ? fmt::format("{:.4f}", *v) : std::string("–"); };
-  std::vector<std::pair<std::string, std::string>> summary = {
-      {"last step", last_step >= 0 ? std::to_string(last_step) : "–"},
-      {"steps logged", std::to_string(steps)},
-      {"last loss", opt4(last_loss)},
-      {"lowest loss", min_loss ? fmt::format("{:.4f} (step {})", *min_loss, min_loss_step) : "–"},
-      {"last eval loss", opt4(last_eval)},
-      {"best eval loss", best_eval ? fmt::format("{:.4f} (step {})", *best_eval, best_eval_step) : "–"},
-      {"mean throughput", tps_n ? format_count(tps_sum / double(tps_n)) + " tokens/s" : "–"},
-      {"peak memory", peak > 0 ? format_bytes(peak) : "–"},
-      {"wall time", first_t && last_t ? format_duration(*last_t - *first_t) : "–"}};
+  const std::vector<std::pair<std::string, std::string>> summary = summarize(mf);
 
   fs::path abs = fs::absolute(run_dir).lexically_normal();
   if (abs.filename().empty()) abs = abs.parent_path();  // "runs/x/" -> "runs/x"
@@ -270,23 +315,7 @@ std::string render_report_html(const std::string& run_dir) {
   for (const auto& [k, v] : summary)
     h += fmt::format("<tr><th>{}</th><td class=\"num\">{}</td></tr>\n", html_escape(k), html_escape(v));
   h += "</table>\n";
-  if (!events.empty()) {
-    // One line each: the step, the event and its fields (docs/reliability.md lists them).
-    h += "<h2>Guard events</h2>\n<table class=\"events\"><tr><th>step</th><th>event</th>"
-         "<th>details</th></tr>\n";
-    for (const auto& e : events) {
-      std::string details;
-      for (auto& [k, v] : e.items()) {
-        if (k == "event" || k == "step" || k == "time") continue;
-        details += (details.empty() ? "" : "; ") + k + " " +
-                   (v.is_string() ? v.get<std::string>() : v.dump());
-      }
-      h += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>\n",
-                       html_escape(e.value("step", json()).dump()),
-                       html_escape(e.value("event", "")), html_escape(details));
-    }
-    h += "</table>\n";
-  }
+  if (!events.empty()) h += events_html(events);
   h += "<h2>Curves</h2>\n<noscript><p class=\"warn\">The charts are drawn by an inline "
        "script; enable JavaScript to see them.</p></noscript>\n<div class=\"charts\">\n";
   for (const auto& c : charts)
@@ -295,17 +324,7 @@ std::string render_report_html(const std::string& run_dir) {
                      html_escape(c.id), html_escape(c.series), c.scale, html_escape(c.title));
   h += "</div>\n";
 
-  auto ckpts = list_checkpoints(run_dir);
-  h += "<h2>Checkpoints</h2>\n";
-  if (ckpts.empty()) {
-    h += "<p>none complete</p>\n";
-  } else {
-    h += "<table class=\"checkpoints\"><tr><th>step</th><th>folder</th></tr>\n";
-    for (const auto& c : ckpts)
-      h += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td></tr>\n", c.step,
-                       html_escape(c.dir));
-    h += "</table>\n";
-  }
+  h += checkpoints_html(run_dir);
   fs::path cfg = fs::path(run_dir) / "config.yaml";
   if (fs::exists(cfg)) {
     h += "<h2>Config</h2>\n<pre class=\"config\">" + html_escape(read_file(cfg.string())) + "</pre>\n";

@@ -48,6 +48,7 @@ std::string closest_match(const std::string& word, const std::vector<std::string
 // ---- validation --------------------------------------------------------------
 
 void TrainConfig::validate() const {
+  // Long on purpose: a flat list of independent checks, one per rule.
   const std::string& s = source;
   auto need = [&](bool ok, const char* key, const std::string& what, const std::string& value) {
     if (!ok) bad_input("{}: '{}' {}, found {}", s, key, what, value);

@@ -74,6 +74,7 @@ DatasetSettings read_dataset(Ctx& ctx, const Item& it) {
 }
 
 TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
+  // Long on purpose: one take() per top-level key, each on its own.
   TrainConfig c;
   c.source = ctx.source;
   MapReader r(ctx, root, "");

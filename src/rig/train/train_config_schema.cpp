@@ -10,6 +10,7 @@ namespace {
 // The order of the keys is the order of the reference page; within a mapping it is also the
 // order "did you mean" weighs equally close names in.
 std::vector<ConfigSection> make_sections() {
+  // Long on purpose: one table, an entry per config key.
   return {
       {.title = "Model",
        .keys =

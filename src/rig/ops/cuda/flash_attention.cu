@@ -8,12 +8,15 @@
 // Kernels
 //  seg_info   per batch row: each position's `first` (first position with the same id: equal
 //             `first` <=> same segment, an int32 compare) and, when the ids never decrease (what
-//             rig's packer makes), each segment's last position, so the tile loops start and stop at
-//             segment edges instead of 0 / T. Otherwise no skipping, still exact: every tile not
-//             provably inside one segment is masked per element.
-//  fwd        one block per (b, query head, BM query rows); walks key tiles left to right with the
-//             online softmax. Each warp owns 16*MT full query rows, so row max / sum need only a
-//             quad shuffle. K/V tiles double-buffered: tile n+1 loads under tile n's math.
+//             rig's packer makes), each segment's last position.
+//  tile_list  per batch row, with segments: the tiles the blocks take, longest first. Ids that
+//             never decrease: tiles cut from each segment's start, so no tile holds two segments
+//             and only the causal diagonal is masked (varlen scheduling). Otherwise tiles of
+//             [0, T), every element masked by segment: still exact, no skipping.
+//  fwd        one block per (b, query head, BM query rows), or per (b, query head) share of the
+//             tile list; walks key tiles left to right with the online softmax. Each warp owns
+//             16*MT full query rows, so row max / sum need only a quad shuffle. K/V tiles
+//             double-buffered: tile n+1 loads under tile n's math.
 //  delta      rowsum(dout * out), fp32, into the workspace.
 //  bwd_dq     one block per (b, query head, 16*NW query rows), key tiles double-buffered:
 //             S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. Q and dO live in registers.
@@ -22,17 +25,16 @@
 //             dK += dS^T Q: nothing goes through shared memory but Q, dO, K, V. Loops over every
 //             query head of the group and the query tiles in a fixed order: deterministic.
 //
-// Skipping and masks: blocks start at the first key their rows' segments can see; inside a block
-// each warp also skips (sub-)tiles wholly outside its own rows' (or keys') segments. A tile is
-// masked per element only on the causal diagonal, at T's end, or when it is not provably inside
-// one segment; everything else runs the unmasked path.
-#include "rig/ops/cuda/flash_attention.h"
-
+// Masks: a tile is masked per element only on the causal diagonal, at its run's end (T or the
+// segment's end), or in rows whose ids are not sorted; everything else runs the unmasked path.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+
+#include "rig/ops/cuda/flash_attention.h"
 
 namespace rig::ops::cuda::k {
 
@@ -51,6 +53,12 @@ struct FlashParams {
   float* delta;         // [B,Hq,T] (bwd workspace)
   const int64_t* seg;   // [B,T] or nullptr (read by the pre-pass only)
   const int *mono, *first, *last;  // seg_info_kernel's output, nullptr without seg
+  // tile_list_kernel's output with seg, nullptr without: per batch row, `cap` int4 {i0, s, e,
+  // masked} longest first and their count; the forward's tiles of BM rows, dQ's (and dK/dV's,
+  // read in the dK/dV order) of 64.
+  const int4 *fwd_tiles, *dq_tiles, *kv_tiles;
+  const int *fwd_count, *dq_count, *kv_count;
+  int fwd_cap, bwd_cap;
   int B, T, Hq, Hk, group;
   float scale, sl2;  // sl2 = scale * log2(e): scores go to exp2 in one FMA
 };
@@ -218,30 +226,105 @@ __global__ void __launch_bounds__(kSegThreads) seg_info_kernel(const int64_t* se
   }
 }
 
-// Segment facts for query rows (forward and dQ). Block: the first key any row of [i0, ...] can see
-// (first[i0], ids non-decreasing; else 0). Warp, rows [r0, r1]: lo = the first key any of them
-// can see (key tiles below are skipped; past T: nothing), hi = first[r1]: key tiles from hi on,
-// left of the diagonal, need no segment mask (a row's keys from its segment's start up to itself
-// are all its own). Without seg: lo = 0 and nothing is masked for segments.
-struct QuerySeg {
-  const int* first = nullptr;  // this batch row's `first`, or nullptr without seg
-  bool mono = false;
-  int j_begin = 0;
-  __device__ QuerySeg(const FlashParams& p, int b, int i0) {
-    if (!p.first) return;
-    first = p.first + int64_t(b) * p.T;
-    mono = p.mono[b] != 0;
-    if (mono) j_begin = first[i0];
-  }
-  __device__ void warp_range(int r0, int r1, int T, int& lo, int& hi) const {
-    lo = 0;
-    hi = first ? INT_MAX : 0;
-    if (r0 >= T) {
-      lo = INT_MAX;
-    } else if (first && mono) {
-      lo = first[r0];
-      hi = first[min(r1, T - 1)];
+// Per batch row: the tiles of TILE positions a kernel's blocks take, longest first, as int4
+// {i0, s, e, masked} (see Work). Rows with non-decreasing ids: each segment [s, e) is cut into
+// tiles from s, bucketed by cost (the forward and dQ: tile k of a segment sees k + 1 key tiles;
+// dK/dV, REMAINING: n - k query tiles) with a counting sort; the order inside a bucket is whatever
+// the atomics give, which changes no result (every tile is computed alone). Other rows: TILE
+// tiles of [0, T), masked. One block per batch row; K buckets (the costliest are merged into the
+// last), 2K ints of dynamic shared memory.
+template <int TILE, bool REMAINING>
+__global__ void __launch_bounds__(1024)
+    tile_list_kernel(const int64_t* seg, int T, const int* mono, const int* last, int K, int cap,
+                     int4* tiles, int* count) {
+  extern __shared__ int sh[];
+  int *hist = sh, *base = sh + K;
+  __shared__ int part[1024];
+  const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+  const int64_t* sg = seg + int64_t(b) * T;
+  const int* lst = last + int64_t(b) * T;
+  int4* out = tiles + int64_t(b) * cap;
+  if (!mono[b]) {
+    const int n = (T + TILE - 1) / TILE;
+    for (int k = tid; k < n; k += nt) {
+      const int t = REMAINING ? k : n - 1 - k;
+      out[k] = make_int4(t * TILE, 0, T, 1);
     }
+    if (tid == 0) count[b] = n;
+    return;
+  }
+  auto bucket = [&](int k, int n) { return min(REMAINING ? n - 1 - k : k, K - 1); };
+  for (int k = tid; k < K; k += nt) hist[k] = 0;
+  __syncthreads();
+  for (int i = tid; i < T; i += nt) {
+    if (i > 0 && sg[i] == sg[i - 1]) continue;  // not a segment's start
+    const int n = (lst[i] - i + TILE) / TILE;
+    for (int k = 0; k < n; ++k) atomicAdd(&hist[bucket(k, n)], 1);
+  }
+  __syncthreads();
+  // base[k]: the tiles of the buckets above k. Each thread sums a chunk of buckets; suffix sums
+  // of the chunks (Hillis-Steele), then each thread fills its own chunk.
+  const int chunk = (K + nt - 1) / nt, k0 = min(K, tid * chunk), k1 = min(K, k0 + chunk);
+  int sum = 0;
+  for (int k = k0; k < k1; ++k) sum += hist[k];
+  part[tid] = sum;
+  __syncthreads();
+  for (int off = 1; off < nt; off <<= 1) {
+    const int v = tid + off < nt ? part[tid + off] : 0;
+    __syncthreads();
+    part[tid] += v;
+    __syncthreads();
+  }
+  int above = tid + 1 < nt ? part[tid + 1] : 0;
+  for (int k = k1 - 1; k >= k0; --k) {
+    base[k] = above;
+    above += hist[k];
+  }
+  if (tid == 0) count[b] = part[0];
+  __syncthreads();
+  for (int k = tid; k < K; k += nt) hist[k] = 0;  // now each bucket's cursor
+  __syncthreads();
+  for (int i = tid; i < T; i += nt) {
+    if (i > 0 && sg[i] == sg[i - 1]) continue;
+    const int e = lst[i] + 1, n = (e - i + TILE - 1) / TILE;
+    for (int k = 0; k < n; ++k) {
+      const int c = bucket(k, n);
+      out[base[c] + atomicAdd(&hist[c], 1)] = make_int4(i + k * TILE, i, e, 0);
+    }
+  }
+}
+
+// One block's work: query rows [i0, i0 + BM) (forward, dQ) or keys [i0, i0 + BN) (dK/dV) of
+// the run [s, e) of batch row b: positions before s are not visible to it, positions from e on
+// are treated as absent (zero-filled, never stored). Rows with non-decreasing segment ids (what
+// rig's packer makes) get tiles that start at their segment's start (tile_list_kernel), so a
+// tile never holds two segments and only the causal diagonal is masked. Otherwise s = 0, e = T,
+// and segments, if any, are masked per element (`masked`).
+struct Work {
+  int i0, s, e;
+  bool masked;
+};
+// Blocks without a tile list (no segments): tile y of T from the end, longest rows first.
+__device__ __forceinline__ Work plain_work(int T, int tile, int y_from_end) {
+  return Work{y_from_end * tile, 0, T, false};
+}
+__device__ __forceinline__ Work listed_work(const int4* tiles, int it) {
+  const int4 t = tiles[it];
+  return Work{t.x, t.y, t.z, t.w != 0};
+}
+
+// Query rows' segment facts for masked work (forward and dQ): each position's `first`, so two
+// positions share a segment iff their `first` agree. Warp range of rows [r0, r1]: lo = the first
+// key tile position any of them can see (INT_MAX past e: nothing to do), hi = from where on key
+// sub-tiles need no segment mask (INT_MAX when masked: every tile is checked).
+struct QuerySeg {
+  const int* first = nullptr;  // this batch row's `first` when the work is masked
+  __device__ QuerySeg(const FlashParams& p, int b, const Work& wk) {
+    if (wk.masked) first = p.first + int64_t(b) * p.T;
+  }
+  __device__ void warp_range(int r0, int e, int& lo, int& hi) const {
+    lo = r0 >= e ? INT_MAX : 0;
+    hi = first ? INT_MAX : 0;
   }
 };
 // Copies `first` of positions [r0, r0+R) into shared ints (past T: 0, masked causally anyway).
@@ -261,11 +344,11 @@ __device__ __forceinline__ void load_first(int* dst, const int* first, int r0, i
 // the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN], and each warp's
 // QuerySeg range [NW][2] (kept there, not in registers: at D=128 there are none to spare).
 template <int D, int MT, int NW, int BN, int BNS>
-__global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p) {
+__device__ __forceinline__ void fwd_tile(const FlashParams& p, unsigned char* smem, int b, int h,
+                                         const Work& wk) {
   constexpr int BM = 16 * MT * NW, NT = NW * 32, KS = D / 16, NN = BNS / 8, ND = D / 8;
   constexpr int RB = Tile<D>::kRowBytes;
   static_assert(BN % BNS == 0 && BNS % 16 == 0, "sub-tiles of whole k16 steps");
-  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s0 = smem_u32(smem);
   auto sK = [&](int c) { return s0 + uint32_t((BM + 2 * BN * c) * RB); };
   auto sV = [&](int c) { return sK(c) + uint32_t(BN * RB); };
@@ -274,26 +357,26 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
   int* sW = sFk + 2 * BN;
 
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int T = p.T, b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq, hk = h / p.group;
-  const int i0 = (gridDim.y - 1 - blockIdx.y) * BM;  // longest rows first
-  const int i_last = min(i0 + BM, T) - 1;
-  const QuerySeg qs(p, b, i0);
-  const int n_begin = qs.j_begin / BN, n_end = i_last / BN + 1;
+  // T is the layout's stride; E bounds the rows and keys that exist for this work.
+  const int T = p.T, E = wk.e, hk = h / p.group, i0 = wk.i0;
+  const int i_last = min(i0 + BM, E) - 1;
+  const QuerySeg qs(p, b, wk);
+  const int jb = wk.s, n_end = (i_last - jb) / BN + 1;  // key tiles at jb + n*BN
 
   const int64_t qstride = int64_t(p.Hq) * D, kstride = int64_t(p.Hk) * D;
   const bf16* kg = p.k + (int64_t(b) * T * p.Hk + hk) * D;
   const bf16* vg = p.v + (int64_t(b) * T * p.Hk + hk) * D;
-  load_tile<D, BM, NT>(s0, p.q + (int64_t(b) * T * p.Hq + h) * D, qstride, i0, T, tid);
-  load_tile<D, BN, NT>(sK(0), kg, kstride, n_begin * BN, T, tid);
-  load_tile<D, BN, NT>(sV(0), vg, kstride, n_begin * BN, T, tid);
+  load_tile<D, BM, NT>(s0, p.q + (int64_t(b) * T * p.Hq + h) * D, qstride, i0, E, tid);
+  load_tile<D, BN, NT>(sK(0), kg, kstride, jb, E, tid);
+  load_tile<D, BN, NT>(sV(0), vg, kstride, jb, E, tid);
   if (qs.first) {
-    load_first<BM, NT>(sFq, qs.first, i0, T, tid);
-    load_first<BN, NT>(sFk, qs.first, n_begin * BN, T, tid);
+    load_first<BM, NT>(sFq, qs.first, i0, E, tid);
+    load_first<BN, NT>(sFk, qs.first, jb, E, tid);
   }
   cp_commit();
 
   const int wr0 = i0 + w * 16 * MT;  // the warp's first query row
-  if (lane == 0) qs.warp_range(wr0, wr0 + 16 * MT - 1, T, sW[2 * w], sW[2 * w + 1]);
+  if (lane == 0) qs.warp_range(wr0, E, sW[2 * w], sW[2 * w + 1]);
   const Lanes<D> lq0(w * 16 * MT + (lane & 15), lane >> 4), lk0 = lanes_bn<D>(lane),
       lv0 = lanes_a<D>(lane);
 
@@ -310,12 +393,12 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
   cp_wait<0>();
   __syncthreads();
 
-  for (int n = n_begin; n < n_end; ++n) {
-    const int cur = (n - n_begin) & 1, j0 = n * BN;
+  for (int n = 0; n < n_end; ++n) {
+    const int cur = n & 1, j0 = jb + n * BN;
     if (n + 1 < n_end) {
-      load_tile<D, BN, NT>(sK(cur ^ 1), kg, kstride, j0 + BN, T, tid);
-      load_tile<D, BN, NT>(sV(cur ^ 1), vg, kstride, j0 + BN, T, tid);
-      if (qs.first) load_first<BN, NT>(sFk + (cur ^ 1) * BN, qs.first, j0 + BN, T, tid);
+      load_tile<D, BN, NT>(sK(cur ^ 1), kg, kstride, j0 + BN, E, tid);
+      load_tile<D, BN, NT>(sV(cur ^ 1), vg, kstride, j0 + BN, E, tid);
+      if (qs.first) load_first<BN, NT>(sFk + (cur ^ 1) * BN, qs.first, j0 + BN, E, tid);
     }
     cp_commit();
     const uint32_t sk = sK(cur), sv = sV(cur);
@@ -437,7 +520,7 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
       lt += __shfl_xor_sync(0xffffffffu, lt, 1);
       lt += __shfl_xor_sync(0xffffffffu, lt, 2);
       const int row = wr0 + mt * 16 + g + 8 * r;
-      if (row >= T) continue;
+      if (row >= E) continue;
       const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
       bf16* orow = p.out + ((int64_t(b) * T + row) * p.Hq + h) * D;
 #pragma unroll
@@ -448,6 +531,24 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
         p.lse[(int64_t(b) * p.Hq + h) * T + row] =
             lt > 0.0f ? m[mt][r] * p.scale + logf(lt) : -INFINITY;
     }
+}
+
+// Grid (B * Hq, Y): without a tile list, block y takes query tile Y-1-y; with one, the listed
+// tiles y, y + Y, ... of its batch row (the list is sorted longest first).
+template <int D, int MT, int NW, int BN, int BNS>
+__global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p) {
+  constexpr int BM = 16 * MT * NW;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq;
+  if (!p.fwd_tiles) {
+    fwd_tile<D, MT, NW, BN, BNS>(p, smem, b, h, plain_work(p.T, BM, gridDim.y - 1 - blockIdx.y));
+    return;
+  }
+  const int4* tiles = p.fwd_tiles + int64_t(b) * p.fwd_cap;
+  for (int it = blockIdx.y; it < p.fwd_count[b]; it += gridDim.y) {
+    fwd_tile<D, MT, NW, BN, BNS>(p, smem, b, h, listed_work(tiles, it));
+    __syncthreads();  // the next tile reuses shared memory
+  }
 }
 
 // ================================================================ backward: delta
@@ -487,11 +588,11 @@ __global__ void delta_kernel(const bf16* dout, const bf16* out, float* delta, in
 // [2BN c, 2BN c + BN) and V after it; buffer 1 first holds Q and dO, which move to registers.
 // Then the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN].
 template <int D, int NW, int BN>
-__global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams p) {
+__device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* smem, int b, int h,
+                                        const Work& wk) {
   constexpr int BM = 16 * NW, NT = NW * 32, KS = D / 16, NN = BN / 8, ND = D / 8;
   constexpr int RB = Tile<D>::kRowBytes;
   static_assert(BM <= BN, "Q and dO borrow the second K/V buffer");
-  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s0 = smem_u32(smem);
   auto sK = [&](int c) { return s0 + uint32_t(c * 2 * BN * RB); };
   auto sV = [&](int c) { return sK(c) + uint32_t(BN * RB); };
@@ -499,32 +600,32 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams
   int* sFk = sFq + BM;
 
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int T = p.T, b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq, hk = h / p.group;
-  const int i0 = (gridDim.y - 1 - blockIdx.y) * BM;
-  const int i_last = min(i0 + BM, T) - 1;
-  const QuerySeg qs(p, b, i0);
-  const int n_begin = qs.j_begin / BN, n_end = i_last / BN + 1;
+  // T is the layout's stride; E bounds the rows and keys that exist for this work.
+  const int T = p.T, E = wk.e, hk = h / p.group, i0 = wk.i0;
+  const int i_last = min(i0 + BM, E) - 1;
+  const QuerySeg qs(p, b, wk);
+  const int jb = wk.s, n_end = (i_last - jb) / BN + 1;  // key tiles at jb + n*BN
 
   const int64_t qstride = int64_t(p.Hq) * D, kstride = int64_t(p.Hk) * D;
   const int64_t qoff = (int64_t(b) * T * p.Hq + h) * D, koff = (int64_t(b) * T * p.Hk + hk) * D;
-  load_tile<D, BM, NT>(sK(1), p.q + qoff, qstride, i0, T, tid);
-  load_tile<D, BM, NT>(sV(1), p.dout + qoff, qstride, i0, T, tid);
-  load_tile<D, BN, NT>(sK(0), p.k + koff, kstride, n_begin * BN, T, tid);
-  load_tile<D, BN, NT>(sV(0), p.v + koff, kstride, n_begin * BN, T, tid);
+  load_tile<D, BM, NT>(sK(1), p.q + qoff, qstride, i0, E, tid);
+  load_tile<D, BM, NT>(sV(1), p.dout + qoff, qstride, i0, E, tid);
+  load_tile<D, BN, NT>(sK(0), p.k + koff, kstride, jb, E, tid);
+  load_tile<D, BN, NT>(sV(0), p.v + koff, kstride, jb, E, tid);
   if (qs.first) {
-    load_first<BM, NT>(sFq, qs.first, i0, T, tid);
-    load_first<BN, NT>(sFk, qs.first, n_begin * BN, T, tid);
+    load_first<BM, NT>(sFq, qs.first, i0, E, tid);
+    load_first<BN, NT>(sFk, qs.first, jb, E, tid);
   }
   cp_commit();
 
   const int wr0 = i0 + w * 16;
   int lo_w, hi_w;
-  qs.warp_range(wr0, wr0 + 15, T, lo_w, hi_w);
+  qs.warp_range(wr0, E, lo_w, hi_w);
   float lse2[2], dl[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = wr0 + g + 8 * r;
-    const bool ok = row < T;
+    const bool ok = row < E;
     const int64_t ri = (int64_t(b) * p.Hq + h) * T + row;
     lse2[r] = ok ? p.lse_in[ri] * kLog2e : 0.0f;
     dl[r] = ok ? p.delta[ri] : 0.0f;
@@ -550,12 +651,12 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
 
-  for (int n = n_begin; n < n_end; ++n) {
-    const int cur = (n - n_begin) & 1, j0 = n * BN;
+  for (int n = 0; n < n_end; ++n) {
+    const int cur = n & 1, j0 = jb + n * BN;
     if (n + 1 < n_end) {
-      load_tile<D, BN, NT>(sK(cur ^ 1), p.k + koff, kstride, j0 + BN, T, tid);
-      load_tile<D, BN, NT>(sV(cur ^ 1), p.v + koff, kstride, j0 + BN, T, tid);
-      if (qs.first) load_first<BN, NT>(sFk + (cur ^ 1) * BN, qs.first, j0 + BN, T, tid);
+      load_tile<D, BN, NT>(sK(cur ^ 1), p.k + koff, kstride, j0 + BN, E, tid);
+      load_tile<D, BN, NT>(sV(cur ^ 1), p.v + koff, kstride, j0 + BN, E, tid);
+      if (qs.first) load_first<BN, NT>(sFk + (cur ^ 1) * BN, qs.first, j0 + BN, E, tid);
     }
     cp_commit();
     if (j0 <= wr0 + 15 && j0 + BN - 1 >= lo_w) {  // some key of the tile visible to the warp
@@ -626,12 +727,28 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = wr0 + g + 8 * r;
-    if (row >= T) continue;
+    if (row >= E) continue;
     bf16* dst = p.dq + ((int64_t(b) * T + row) * p.Hq + h) * D;
 #pragma unroll
     for (int nt = 0; nt < ND; ++nt)
       *reinterpret_cast<uint32_t*>(dst + nt * 8 + 2 * t4) =
           pack_bf16(acc[nt][2 * r] * p.scale, acc[nt][2 * r + 1] * p.scale);
+  }
+}
+
+// Grid (B * Hq, Y), as the forward's.
+template <int D, int NW, int BN>
+__global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq;
+  if (!p.dq_tiles) {
+    dq_tile<D, NW, BN>(p, smem, b, h, plain_work(p.T, 16 * NW, gridDim.y - 1 - blockIdx.y));
+    return;
+  }
+  const int4* tiles = p.dq_tiles + int64_t(b) * p.bwd_cap;
+  for (int it = blockIdx.y; it < p.dq_count[b]; it += gridDim.y) {
+    dq_tile<D, NW, BN>(p, smem, b, h, listed_work(tiles, it));
+    __syncthreads();
   }
 }
 
@@ -641,10 +758,10 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams
 // Shared rows: K [0, BN), V [BN, 2BN), stage c: Q at 2BN + 2BM c, dO after it; then per stage the
 // queries' lse, delta and segment ids (`first`), [2][BM] each.
 template <int D, int NW, int BM>
-__global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashParams p) {
+__device__ __forceinline__ void dkdv_tile(const FlashParams& p, unsigned char* smem, int b, int hk,
+                                          const Work& wk) {
   constexpr int BN = 16 * NW, NT = NW * 32, KS = D / 16, NM = BM / 8, ND = D / 8;
   constexpr int RB = Tile<D>::kRowBytes;
-  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s0 = smem_u32(smem), sK = s0, sV = s0 + BN * RB;
   auto sQ = [&](int c) { return s0 + uint32_t((2 * BN + 2 * BM * c) * RB); };
   auto sD = [&](int c) { return sQ(c) + uint32_t(BM * RB); };
@@ -653,46 +770,43 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
   int* sFq = reinterpret_cast<int*>(sDl + 2 * BM);                      // [2][BM] first
 
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int T = p.T, b = blockIdx.x / p.Hk, hk = blockIdx.x % p.Hk;
-  const int j0 = blockIdx.y * BN, j_last = min(j0 + BN, T) - 1;
-  const int* first = p.first ? p.first + int64_t(b) * T : nullptr;
-  const int* last = p.last ? p.last + int64_t(b) * T : nullptr;
-  const bool mono = first && p.mono[b] != 0;
-  const int i_end = mono ? last[j_last] + 1 : T;
-  const int m_begin = j0 / BM, nm = (i_end + BM - 1) / BM - m_begin, total = nm * p.group;
+  // T is the layout's stride; E bounds the keys and queries that exist for this work. Query
+  // tiles start at the first key j0: no earlier query sees any of its keys.
+  const int T = p.T, E = wk.e, j0 = wk.i0;
+  const int* first = wk.masked ? p.first + int64_t(b) * T : nullptr;
+  const int nm = (E - j0 + BM - 1) / BM, total = nm * p.group;
 
   const int64_t qstride = int64_t(p.Hq) * D, kstride = int64_t(p.Hk) * D;
   const int64_t koff = (int64_t(b) * T * p.Hk + hk) * D;
-  load_tile<D, BN, NT>(sK, p.k + koff, kstride, j0, T, tid);
-  load_tile<D, BN, NT>(sV, p.v + koff, kstride, j0, T, tid);
-  // Stage c <- (query head hk*group + it / nm, query tile m_begin + it % nm).
+  load_tile<D, BN, NT>(sK, p.k + koff, kstride, j0, E, tid);
+  load_tile<D, BN, NT>(sV, p.v + koff, kstride, j0, E, tid);
+  // Stage c <- (query head hk*group + it / nm, query tile it % nm).
   auto load_stage = [&](int c, int it) {
-    const int h = hk * p.group + it / nm, i0 = (m_begin + it % nm) * BM;
+    const int h = hk * p.group + it / nm, i0 = j0 + (it % nm) * BM;
     const int64_t qoff = (int64_t(b) * T * p.Hq + h) * D;
-    load_tile<D, BM, NT>(sQ(c), p.q + qoff, qstride, i0, T, tid);
-    load_tile<D, BM, NT>(sD(c), p.dout + qoff, qstride, i0, T, tid);
+    load_tile<D, BM, NT>(sQ(c), p.q + qoff, qstride, i0, E, tid);
+    load_tile<D, BM, NT>(sD(c), p.dout + qoff, qstride, i0, E, tid);
     const int64_t roff = (int64_t(b) * p.Hq + h) * T;
     for (int x = tid; x < 2 * BM; x += NT) {
       const int r = x % BM, row = i0 + r;
-      const bool ok = row < T;
+      const bool ok = row < E;
       const float* src = (x < BM ? p.lse_in : p.delta) + roff + (ok ? row : 0);
       cp_async4(smem_u32((x < BM ? sL : sDl) + c * BM + r), src, ok);
     }
-    if (first) load_first<BM, NT>(sFq + c * BM, first, i0, T, tid);
+    if (first) load_first<BM, NT>(sFq + c * BM, first, i0, E, tid);
   };
   load_stage(0, 0);
   cp_commit();
 
-  // The warp's keys [wk0, wk0+15]: queries past q_end see none of them; query tiles up to
-  // seg_end (the segment end of its first key) need no segment mask.
+  // The warp's keys [wk0, wk0+15]; masked work checks every query tile's segments.
   const int wk0 = j0 + w * 16;
-  const int q_end = mono && wk0 < T ? last[min(wk0 + 15, T - 1)] : T - 1;
-  const int seg_end = !first ? INT_MAX : mono && wk0 < T ? last[wk0] : -1;
+  const int q_end = E - 1;
+  const int seg_end = first ? -1 : INT_MAX;
   int kseg[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = wk0 + g + 8 * r;
-    kseg[r] = (first && key < T) ? first[key] : 0;
+    kseg[r] = (first && key < E) ? first[key] : 0;
   }
   const Lanes<D> lkv0(w * 16 + (lane & 15), lane >> 4);
   const Lanes<D> lb0 = lanes_bn<D>(lane), lt0 = lanes_a<D>(lane);
@@ -703,12 +817,12 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
     for (int e = 0; e < 4; ++e) dk[nt][e] = dv[nt][e] = 0.0f;
 
   for (int it = 0; it < total; ++it) {
-    const int cur = it & 1, i0 = (m_begin + it % nm) * BM;
+    const int cur = it & 1, i0 = j0 + (it % nm) * BM;
     cp_wait<0>();
     __syncthreads();  // stage cur landed; every warp is done with stage cur^1
     if (it + 1 < total) load_stage(cur ^ 1, it + 1);
     cp_commit();
-    if (wk0 >= T || i0 + BM - 1 < wk0 || i0 > q_end) continue;  // no query sees the warp's keys
+    if (wk0 >= E || i0 + BM - 1 < wk0 || i0 > q_end) continue;  // no query sees the warp's keys
 
     // S^T = K Q^T and dP^T = V dO^T: rows are this warp's 16 keys, columns the BM queries.
     const uint32_t sb = sQ(cur);
@@ -734,7 +848,7 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
         mma(dpt[2 * np + 1], va, bb[2], bb[3]);
       }
     }
-    if (i0 < wk0 + 15 || i0 + BM > T || seg_end < i0 + BM - 1) {
+    if (i0 < wk0 + 15 || i0 + BM > E || seg_end < i0 + BM - 1) {
       const int* fq = sFq + cur * BM;
 #pragma unroll
       for (int nt = 0; nt < NM; ++nt)
@@ -745,7 +859,7 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int key = wk0 + g + 8 * r;
-            if (!(key <= q && q < T && qseg == kseg[r])) st[nt][2 * r + e] = -INFINITY;
+            if (!(key <= q && q < E && qseg == kseg[r])) st[nt][2 * r + e] = -INFINITY;
           }
         }
     }
@@ -794,7 +908,7 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = wk0 + g + 8 * r;
-    if (key >= T) continue;
+    if (key >= E) continue;
     const int64_t off = ((int64_t(b) * T + key) * p.Hk + hk) * D;
 #pragma unroll
     for (int nt = 0; nt < ND; ++nt) {
@@ -806,13 +920,32 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashPara
   }
 }
 
+// Grid (B * Hk, Y): without a tile list, block y takes key tile y (key tile 0 sees the most
+// queries: longest first); with one, the listed tiles y, y + Y, ... of its batch row.
+template <int D, int NW, int BM>
+__global__ void __launch_bounds__(NW * 32) flash_bwd_dkdv_kernel(const FlashParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / p.Hk, hk = blockIdx.x % p.Hk;
+  if (!p.kv_tiles) {
+    dkdv_tile<D, NW, BM>(p, smem, b, hk, plain_work(p.T, 16 * NW, blockIdx.y));
+    return;
+  }
+  const int4* tiles = p.kv_tiles + int64_t(b) * p.bwd_cap;
+  for (int it = blockIdx.y; it < p.kv_count[b]; it += gridDim.y) {
+    dkdv_tile<D, NW, BM>(p, smem, b, hk, listed_work(tiles, it));
+    __syncthreads();
+  }
+}
+
 // ================================================================ tile configurations
 
 // Forward: 4 warps x 32 rows, 128 x 64 tiles (FlashAttention-2's choice on sm_80), S computed 32
-// keys at a time at D >= 96.
-template <int D>
+// keys at a time at D >= 96. Listed tiles (packed rows) take 64 rows (MT = 1) at D <= 64, where
+// that was 7% faster on segments of average length 512 (each segment's last tile is on average
+// half empty), and 128 at D = 128, where 64 rows were 14% slower (H200, 2026-12-04).
+template <int D, int MT_ = 2>
 struct FwdCfg {
-  static constexpr int MT = 2, NW = 4, BN = 64, BNS = D >= 96 ? 32 : 64, BM = 16 * MT * NW;
+  static constexpr int MT = MT_, NW = 4, BN = 64, BNS = D >= 96 ? 32 : 64, BM = 16 * MT * NW;
   static constexpr size_t smem =
       size_t(BM + 4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN + 2 * NW) * sizeof(int);
 };
@@ -839,21 +972,46 @@ cudaError_t allow_smem(Kern kern, size_t bytes) {
 
 constexpr size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
+// Tile sizes of the tile lists: the forward's query rows, dQ's query rows and dK/dV's keys.
+template <int D>
+using FwdListedCfg = FwdCfg<D, D <= 64 ? 1 : 2>;
+constexpr int kFwdTileMin = 64, kBwdTile = 64;
+static_assert(FwdListedCfg<64>::BM == kFwdTileMin && FwdListedCfg<128>::BM >= kFwdTileMin, "tiles");
+static_assert(DqCfg<64>::BM == kBwdTile && DkvCfg<64>::BN == kBwdTile, "backward tiles");
+// A row has at most ceil(T / tile) tiles plus one per segment.
+int list_cap(int T, int tile) {
+  return (T + tile - 1) / tile + T;
+}
+int list_buckets(int T, int tile) {
+  return std::min((T + tile - 1) / tile, 4096);
+}
+
 struct Workspace {
-  size_t delta, mono, start, end, total;
+  bool bwd;
+  size_t delta, mono, start, end, tiles_a, count_a, tiles_b, count_b, total;
 };
 Workspace layout(const AttnDims& d, bool has_seg, bool bwd) {
   Workspace w{};
+  w.bwd = bwd;
   size_t off = 0;
-  w.delta = off;
-  if (bwd) off += align256(sizeof(float) * size_t(d.B) * d.Hq * d.T);
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  if (bwd) w.delta = take(sizeof(float) * size_t(d.B) * d.Hq * d.T);
   if (has_seg) {
-    w.mono = off;
-    off += align256(sizeof(int) * size_t(d.B));
-    w.start = off;
-    off += align256(sizeof(int) * size_t(d.B) * d.T);
-    w.end = off;
-    off += align256(sizeof(int) * size_t(d.B) * d.T);
+    w.mono = take(sizeof(int) * size_t(d.B));
+    w.start = take(sizeof(int) * size_t(d.B) * d.T);
+    w.end = take(sizeof(int) * size_t(d.B) * d.T);
+    // Forward: its list in a. Backward: dQ's in a, dK/dV's in b.
+    const size_t cap = size_t(list_cap(d.T, bwd ? kBwdTile : kFwdTileMin));
+    w.tiles_a = take(sizeof(int4) * size_t(d.B) * cap);
+    w.count_a = take(sizeof(int) * size_t(d.B));
+    if (bwd) {
+      w.tiles_b = take(sizeof(int4) * size_t(d.B) * cap);
+      w.count_b = take(sizeof(int) * size_t(d.B));
+    }
   }
   w.total = off;
   return w;
@@ -874,6 +1032,19 @@ FlashParams make_params(const AttnDims& d, const int64_t* seg, void* ws, const W
     p.mono = reinterpret_cast<const int*>(base + w.mono);
     p.first = reinterpret_cast<const int*>(base + w.start);
     p.last = reinterpret_cast<const int*>(base + w.end);
+    auto tiles = [&](size_t at) { return reinterpret_cast<const int4*>(base + at); };
+    auto count = [&](size_t at) { return reinterpret_cast<const int*>(base + at); };
+    if (w.bwd) {
+      p.dq_tiles = tiles(w.tiles_a);
+      p.dq_count = count(w.count_a);
+      p.kv_tiles = tiles(w.tiles_b);
+      p.kv_count = count(w.count_b);
+      p.bwd_cap = list_cap(d.T, kBwdTile);
+    } else {
+      p.fwd_tiles = tiles(w.tiles_a);
+      p.fwd_count = count(w.count_a);
+      p.fwd_cap = list_cap(d.T, kFwdTileMin);  // enough for any head dim's tile
+    }
   }
   return p;
 }
@@ -888,15 +1059,34 @@ cudaError_t run_seg_info(const FlashParams& p, void* ws, const Workspace& w, cud
   return cudaGetLastError();
 }
 
-template <int D>
-cudaError_t fwd_d(const FlashParams& p, cudaStream_t s) {
-  using C = FwdCfg<D>;
+// Builds one tile list (after run_seg_info, on the same stream).
+template <int TILE, bool REMAINING>
+cudaError_t run_tile_list(const FlashParams& p, int cap, const int4* tiles, const int* count,
+                          cudaStream_t s) {
+  const int K = list_buckets(p.T, TILE);
+  tile_list_kernel<TILE, REMAINING><<<unsigned(p.B), 1024, size_t(2 * K) * sizeof(int), s>>>(
+      p.seg, p.T, p.mono, p.last, K, cap, const_cast<int4*>(tiles), const_cast<int*>(count));
+  return cudaGetLastError();
+}
+
+template <typename C, int D>
+cudaError_t fwd_launch(const FlashParams& p, unsigned blocks_y, cudaStream_t s) {
   auto kern = flash_fwd_kernel<D, C::MT, C::NW, C::BN, C::BNS>;
   cudaError_t e = allow_smem(kern, C::smem);
   if (e != cudaSuccess) return e;
-  dim3 grid(unsigned(p.B * p.Hq), unsigned((p.T + C::BM - 1) / C::BM));
-  kern<<<grid, C::NW * 32, C::smem, s>>>(p);
+  kern<<<dim3(unsigned(p.B * p.Hq), blocks_y), C::NW * 32, C::smem, s>>>(p);
   return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t fwd_d(const FlashParams& p, cudaStream_t s) {
+  using Plain = FwdCfg<D>;
+  using Listed = FwdListedCfg<D>;
+  if (!p.fwd_tiles) return fwd_launch<Plain, D>(p, unsigned((p.T + Plain::BM - 1) / Plain::BM), s);
+  cudaError_t e = run_tile_list<Listed::BM, false>(p, p.fwd_cap, p.fwd_tiles, p.fwd_count, s);
+  if (e != cudaSuccess) return e;
+  // Twice the plain count of blocks, each looping over its share of the list.
+  return fwd_launch<Listed, D>(p, unsigned(2 * ((p.T + Listed::BM - 1) / Listed::BM)), s);
 }
 
 template <int D>
@@ -914,10 +1104,11 @@ cudaError_t bwd_d(const FlashParams& p, cudaStream_t s) {
   if (e == cudaSuccess) e = allow_smem(kkv, K::smem);
   if (e != cudaSuccess) return e;
   // dK/dV first: its blocks are the longest (key tile 0 sees every query), so start them early.
-  dim3 gkv(unsigned(p.B * p.Hk), unsigned((p.T + K::BN - 1) / K::BN));
+  const int kv_tiles = (p.T + K::BN - 1) / K::BN, q_tiles = (p.T + Q::BM - 1) / Q::BM;
+  dim3 gkv(unsigned(p.B * p.Hk), unsigned(p.kv_tiles ? 2 * kv_tiles : kv_tiles));
   kkv<<<gkv, K::NW * 32, K::smem, s>>>(p);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  dim3 gq(unsigned(p.B * p.Hq), unsigned((p.T + Q::BM - 1) / Q::BM));
+  dim3 gq(unsigned(p.B * p.Hq), unsigned(p.dq_tiles ? 2 * q_tiles : q_tiles));
   kq<<<gq, Q::NW * 32, Q::smem, s>>>(p);
   return cudaGetLastError();
 }
@@ -977,6 +1168,10 @@ cudaError_t flash_bwd(const void* dout, const void* q, const void* k, const void
   p.lse_in = lse;
   p.delta = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + w.delta);
   cudaError_t e = run_seg_info(p, workspace, w, s);
+  if (e == cudaSuccess && seg)
+    e = run_tile_list<kBwdTile, false>(p, p.bwd_cap, p.dq_tiles, p.dq_count, s);
+  if (e == cudaSuccess && seg)
+    e = run_tile_list<kBwdTile, true>(p, p.bwd_cap, p.kv_tiles, p.kv_count, s);
   if (e != cudaSuccess) return e;
   return by_head_dim(d.D, [&]<int D>() { return bwd_d<D>(p, s); });
 }

@@ -7,6 +7,8 @@
 //   with seg:  mono   int32 [B]          1 when row b's segment ids never decrease
 //              first  int32 [B, T]       first position of the row with the same id as t
 //              last   int32 [B, T]       last position of t's segment (T-1 when not mono)
+//              tiles  int4 [B, cap]      the blocks' tiles, longest first, and their count [B]
+//                                        (forward: one list; backward: dQ's and dK/dV's)
 // The backward is deterministic (no atomics): bitwise the same run to run.
 #pragma once
 #include "rig/ops/cuda/launch.h"

@@ -34,5 +34,10 @@ k::T ktype(const Tensor& t, const char* op, const char* arg);
 // Checks that t is defined and on the CUDA device `dev`.
 void check_on(const Tensor& t, int dev, const char* op, const char* arg);
 void check_dtype(const Tensor& t, DType dt, const char* op, const char* arg);
+void same_shape(const Tensor& a, const Tensor& b, const char* op, const char* an, const char* bn);
+// Fails naming the op when a launch did not start.
+void check_status(cudaError_t e, const char* op);
+// A temporary on `dev` from the device's allocator.
+Tensor scratch(const Shape& s, DType dt, int dev, const char* what);
 
 }  // namespace rig::ops::cuda

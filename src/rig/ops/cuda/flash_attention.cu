@@ -343,6 +343,8 @@ __device__ __forceinline__ void load_first(int* dst, const int* first, int r0, i
 // no room for a 64-wide S). Shared rows: Q [0, BM), buffer c: K at BM + 2BN c, V after it; then
 // the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN], and each warp's
 // QuerySeg range [NW][2] (kept there, not in registers: at D=128 there are none to spare).
+// Long on purpose: one tile's loads, products, softmax and stores share dozens of register
+// arrays (the accumulators), which helpers would have to pass by reference through every stage.
 template <int D, int MT, int NW, int BN, int BNS>
 __device__ __forceinline__ void fwd_tile(const FlashParams& p, unsigned char* smem, int b, int h,
                                          const Work& wk) {
@@ -587,6 +589,8 @@ __global__ void delta_kernel(const bf16* dout, const bf16* out, float* delta, in
 // NW warps x 16 query rows; key tiles of BN double-buffered. Shared rows: buffer c holds K at
 // [2BN c, 2BN c + BN) and V after it; buffer 1 first holds Q and dO, which move to registers.
 // Then the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN].
+// Long on purpose: one tile's loads, products, softmax and stores share dozens of register
+// arrays (the accumulators), which helpers would have to pass by reference through every stage.
 template <int D, int NW, int BN>
 __device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* smem, int b, int h,
                                         const Work& wk) {
@@ -757,6 +761,8 @@ __global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams
 // NW warps x 16 keys (BN = 16*NW); query tiles of BM double-buffered with their lse and delta.
 // Shared rows: K [0, BN), V [BN, 2BN), stage c: Q at 2BN + 2BM c, dO after it; then per stage the
 // queries' lse, delta and segment ids (`first`), [2][BM] each.
+// Long on purpose: one tile's loads, products, softmax and stores share dozens of register
+// arrays (the accumulators), which helpers would have to pass by reference through every stage.
 template <int D, int NW, int BM>
 __device__ __forceinline__ void dkdv_tile(const FlashParams& p, unsigned char* smem, int b, int hk,
                                           const Work& wk) {

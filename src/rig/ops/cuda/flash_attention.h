@@ -1,5 +1,6 @@
 // rig's own tensor-core attention (FlashAttention-2 tiling, mma.sync bf16 -> fp32), causal, grouped
-// kv heads, packed segments. Plain C++ like launch.h: the host wrappers in ops_cuda.cpp call it.
+// kv heads, packed segments (flash_fwd.cu, flash_bwd.cu). Plain C++ like launch.h: the host
+// wrappers in attention_ops_cuda.cpp call it.
 //
 // Workspace (caller allocates flash_*_workspace bytes, 256-byte aligned; may be nullptr when the
 // size is 0), each part starting on a 256-byte boundary, no contents expected on entry:

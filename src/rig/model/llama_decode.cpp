@@ -25,6 +25,8 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
   if (act_ != DType::F32 && !dev_.is_cuda())
     bad_input("bf16 compute needs a CUDA device; the CPU backend computes in float32");
   RIG_CHECK(!tokens.empty(), "decode needs at least one token");
+  const int64_t n_tok = int64_t(tokens.size());
+  check_vocab(tokens.data(), n_tok, n_tok, cfg_.vocab_size, "token id", false);
   RIG_CHECK(cache.k.size() == layers_.size() && cache.v.size() == layers_.size(),
             "KV cache has {} layers, the model {}", cache.k.size(), layers_.size());
   RIG_CHECK(cache.k[0].device() == dev_ && cache.k[0].dtype() == act_,

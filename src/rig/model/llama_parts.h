@@ -69,6 +69,12 @@ void linear_backward(const LinearRefs& L, float scale, float p, uint64_t seed, c
 
 inline const Tensor kNone;
 
+// Fails naming the first value of v [n] outside [0, vocab) by its row and position (rows of
+// row_len); -100 passes when ignore_allowed (labels). A host check, because the GPU kernels
+// report bad ids only at the next synchronising op.
+void check_vocab(const int64_t* v, int64_t n, int64_t row_len, int64_t vocab, const char* what,
+                 bool ignore_allowed);
+
 }  // namespace llama_detail
 
 // The LinearRefs of a Linear inside a LlamaModel member that defines grad_of(int) -> Tensor*.

@@ -223,8 +223,7 @@ Tensor attention_segments(const Tensor& seg) {
   return single ? Tensor() : runs;
 }
 
-// The batch's shapes, and its token ids and labels against the vocabulary, checked on the host
-// where the batch arrives: the GPU kernels would report a bad id only at the next synchronising op.
+// The batch's shapes, and its token ids and labels against the vocabulary (on the host).
 void check_batch(const TokenBatch& batch, int64_t vocab) {
   const Tensor& ids = batch.input_ids;
   RIG_CHECK(ids.ndim() == 2 && ids.dtype() == DType::I64,
@@ -232,16 +231,8 @@ void check_batch(const TokenBatch& batch, int64_t vocab) {
             shape_str(ids.shape()));
   RIG_CHECK(batch.labels.shape() == ids.shape() && batch.labels.dtype() == DType::I64,
             "labels must be int64 {}", shape_str(ids.shape()));
-  const int64_t T = ids.dim(1), N = ids.numel();
-  const int64_t *pi = ids.data<int64_t>(), *pl = batch.labels.data<int64_t>();
-  for (int64_t r = 0; r < N; ++r) {
-    if (pi[r] < 0 || pi[r] >= vocab)
-      bad_input("token id {} at row {} position {} is outside the vocabulary of {}", pi[r], r / T,
-                r % T, vocab);
-    if (pl[r] != -100 && (pl[r] < 0 || pl[r] >= vocab))
-      bad_input("label {} at row {} position {} is outside the vocabulary of {}", pl[r], r / T,
-                r % T, vocab);
-  }
+  check_vocab(ids.data<int64_t>(), ids.numel(), ids.dim(1), vocab, "token id", false);
+  check_vocab(batch.labels.data<int64_t>(), ids.numel(), ids.dim(1), vocab, "label", true);
 }
 
 // Full checkpointing recomputes the first recompute_layers layers (all when negative); the others
@@ -279,6 +270,16 @@ Tensor shifted_targets(const Tensor& labels, int64_t* valid) {
   return targets;
 }
 }  // namespace
+
+namespace llama_detail {
+void check_vocab(const int64_t* v, int64_t n, int64_t row_len, int64_t vocab, const char* what,
+                 bool ignore_allowed) {
+  for (int64_t r = 0; r < n; ++r)
+    if ((v[r] < 0 || v[r] >= vocab) && !(ignore_allowed && v[r] == -100))
+      bad_input("{} {} at row {} position {} is outside the vocabulary of {}", what, v[r],
+                r / row_len, r % row_len, vocab);
+}
+}  // namespace llama_detail
 
 StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   if (act_ != DType::F32 && !dev_.is_cuda())

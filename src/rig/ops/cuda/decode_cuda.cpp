@@ -33,9 +33,9 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
               dtype_name(q.dtype()));
   DeviceGuard g(dev);
   const k::DecodeDims d{n, past, int(Hq), int(Hk), int(D)};
-  const cudaError_t e = k::attention_decode_fwd(t, q.raw(), k_cache.raw(), v_cache.raw(), out.raw(),
-                                                d, stream_for(dev));
-  if (e != cudaSuccess) fail("{}: CUDA kernel launch failed: {}", op, cudaGetErrorString(e));
+  check_status(k::attention_decode_fwd(t, q.raw(), k_cache.raw(), v_cache.raw(), out.raw(), d,
+                                       stream_for(dev)),
+               op);
 }
 
 }  // namespace rig::ops::cuda

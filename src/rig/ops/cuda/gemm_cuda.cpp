@@ -102,11 +102,13 @@ struct Pref {
   ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
 };
 
-// C = alpha op(A) op(B) + beta src (+ bias per column of C through the bias epilogue); src is C
-// itself unless given. Returns false when cuBLASLt has no algorithm for the bias epilogue, having
-// done nothing.
-bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta,
-            const Tensor* bias, const Tensor* src = nullptr) {
+struct Dims {
+  int64_t m, n, k;
+};
+
+// Checks devices, shapes and dtypes of C = op(A) op(B) (+ src, + bias); returns m, n, k.
+Dims check_args(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c,
+                const Tensor* bias, const Tensor* src) {
   const char* op = "gemm";
   const int dev = c.device().index;
   check_on(a, dev, op, "A");
@@ -134,6 +136,113 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
     ktype(*bias, op, "bias");
     RIG_CHECK(bias->numel() == n, "gemm: bias {} for {} columns", shape_str(bias->shape()), n);
   }
+  return {m, n, k};
+}
+
+// The operation descriptor: cuBLAS's first operand is B (its memory is op(B)^T's source), its
+// second is A; the bias epilogue when asked.
+void describe(OpDesc& desc, bool ta, bool tb, const Tensor* bias) {
+  RIG_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+  if (!bias) return;
+  // Column-major D is C^T: its rows are C's columns, which is where the epilogue adds bias[i].
+  const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  const void* ptr = bias->raw();
+  const cudaDataType_t bt = cuda_type(bias->dtype());
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)));
+  RIG_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+}
+
+// One product as cuBLASLt sees it: descriptors, operands and where D goes.
+struct Product {
+  LtDevice& ld;
+  OpDesc desc;
+  Layout la, lb, lc;  // column-major views of B, A and C
+  const Tensor &a, &b;
+  Tensor& c;
+  float alpha, beta;
+  int dev;
+  cublasStatus_t run(const cublasLtMatmulAlgo_t& algo, void* d) const {
+    return cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta, c.raw(),
+                          lc.d, d, lc.d, &algo, ld.workspace.raw(), kWorkspace, stream_for(dev));
+  }
+};
+
+// Times each candidate and returns the fastest's index. With beta = 0, C's contents are about to
+// be replaced, so the candidates write there; otherwise C is read and they write a scratch.
+int fastest(const Product& p, const cublasLtMatmulHeuristicResult_t* res, int found) {
+  Tensor scratch_d = p.beta == 0.0f ? p.c
+                                    : Tensor::empty(p.c.shape(), p.c.dtype(), p.c.device(),
+                                                    "gemm autotune output");
+  cudaEvent_t e0, e1;
+  RIG_CUDA_CHECK(cudaEventCreate(&e0));
+  RIG_CUDA_CHECK(cudaEventCreate(&e1));
+  // Three rounds over all candidates, each keeping its best: clocks still ramping up during the
+  // first round then favour no candidate. (With one round, two runs of the same 1B step picked
+  // different algorithms for a product, and its speed differed by 15%.)
+  std::vector<float> best(size_t(found), INFINITY);  // stays infinite: cannot run here
+  std::vector<bool> runs(size_t(found), false);
+  for (int i = 0; i < found; ++i)
+    runs[size_t(i)] = p.run(res[i].algo, scratch_d.raw()) == CUBLAS_STATUS_SUCCESS;
+  for (int round = 0; round < 3; ++round)
+    for (int i = 0; i < found; ++i) {
+      if (!runs[size_t(i)]) continue;
+      RIG_CUDA_CHECK(cudaEventRecord(e0, stream_for(p.dev)));
+      for (int r = 0; r < 2; ++r) (void)p.run(res[i].algo, scratch_d.raw());
+      RIG_CUDA_CHECK(cudaEventRecord(e1, stream_for(p.dev)));
+      RIG_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      RIG_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      best[size_t(i)] = std::min(best[size_t(i)], ms);
+    }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return int(std::min_element(best.begin(), best.end()) - best.begin());
+}
+
+// The algorithm for a new key: the heuristic's answer, or the fastest of its candidates.
+// nullopt when it has none for the bias epilogue (the caller falls back).
+std::optional<cublasLtMatmulAlgo_t> choose(const Product& p, const AlgoKey& key, bool bias) {
+  Pref pref;
+  RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.d));
+  const size_t ws = kWorkspace;
+  RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  // Views (slice_rows) can be less aligned than fresh allocations: tell the heuristic.
+  for (auto [attr, al] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
+                          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
+                          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+                          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}})
+    RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.d, attr, &al, sizeof(al)));
+  const int want = autotune() ? kTuneCandidates : 1;
+  cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+      p.ld.handle, p.desc.d, p.la.d, p.lb.d, p.lc.d, p.lc.d, pref.d, want, res, &found);
+  if (bias && (st != CUBLAS_STATUS_SUCCESS || found == 0)) return std::nullopt;
+  RIG_CUBLAS_CHECK(st);
+  RIG_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for {}{} x {}{} -> {} ({} x {} -> {})",
+            shape_str(p.a.shape()), key.ta ? "^T" : "", shape_str(p.b.shape()), key.tb ? "^T" : "",
+            shape_str(p.c.shape()), dtype_name(p.a.dtype()), dtype_name(p.b.dtype()),
+            dtype_name(p.c.dtype()));
+  return res[found > 1 ? fastest(p, res, found) : 0].algo;
+}
+
+// C = alpha op(A) op(B) + beta src (+ bias per column of C through the bias epilogue); src is C
+// itself unless given. Returns false when cuBLASLt has no algorithm for the bias epilogue, having
+// done nothing.
+bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta,
+            const Tensor* bias, const Tensor* src = nullptr) {
+  const auto [m, n, k] = check_args(a, ta, b, tb, c, bias, src);
   if (m == 0 || n == 0) return true;
   if (k == 0) {
     if (src && beta != 0) c.copy_from(*src);
@@ -142,6 +251,7 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
     return true;
   }
 
+  const int dev = c.device().index;
   DeviceGuard guard(dev);
   if (src && src->raw() != c.raw() && beta != 0) {
     // cuBLASLt's kernels with C != D ran ~20% slower than in place on the H200 (the residual
@@ -150,33 +260,14 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
                                    stream_for(dev)));
   }
   std::lock_guard<std::mutex> lock(g_mu);
-  LtDevice& ld = lt_device(dev);
   const cudaDataType_t tab = cuda_type(a.dtype()), tc = cuda_type(c.dtype());
-
-  OpDesc desc;
-  RIG_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  // cuBLAS's first operand is B (its memory is op(B)^T's source), its second is A.
-  const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  Product p{lt_device(dev), {}, {}, {}, {}, a, b, c, alpha, beta, dev};
+  describe(p.desc, ta, tb, bias);
   RIG_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+      cublasLtMatrixLayoutCreate(&p.la.d, tab, uint64_t(b.dim(1)), uint64_t(b.dim(0)), b.dim(1)));
   RIG_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-  if (bias) {
-    // Column-major D is C^T: its rows are C's columns, which is where the epilogue adds bias[i].
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    const void* ptr = bias->raw();
-    const cudaDataType_t bt = cuda_type(bias->dtype());
-    RIG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    RIG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)));
-    RIG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
-  }
-  Layout la, lb, lc;  // column-major views of B, A and C
-  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.d, tab, uint64_t(b.dim(1)), uint64_t(b.dim(0)),
-                                              b.dim(1)));
-  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.d, tab, uint64_t(a.dim(1)), uint64_t(a.dim(0)),
-                                              a.dim(1)));
-  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.d, tc, uint64_t(n), uint64_t(m), n));
+      cublasLtMatrixLayoutCreate(&p.lb.d, tab, uint64_t(a.dim(1)), uint64_t(a.dim(0)), a.dim(1)));
+  RIG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lc.d, tc, uint64_t(n), uint64_t(m), n));
 
   const AlgoKey key{dev,
                     m,
@@ -192,74 +283,9 @@ bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
                     beta == 0.0f,
                     bias ? int(cuda_type(bias->dtype())) : -1};
   auto it = algos().find(key);
-  if (it == algos().end()) {
-    Pref pref;
-    RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.d));
-    const size_t ws = kWorkspace;
-    RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    // Views (slice_rows) can be less aligned than fresh allocations: tell the heuristic.
-    for (auto [attr, al] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
-                            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
-                            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
-                            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}})
-      RIG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.d, attr, &al, sizeof(al)));
-    const int want = autotune() ? kTuneCandidates : 1;
-    cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ld.handle, desc.d, la.d, lb.d, lc.d,
-                                                             lc.d, pref.d, want, res, &found);
-    if (bias && (st != CUBLAS_STATUS_SUCCESS || found == 0)) {
-      algos().emplace(key, std::nullopt);
-      return false;
-    }
-    RIG_CUBLAS_CHECK(st);
-    RIG_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for {}{} x {}{} -> {} ({} x {} -> {})",
-              shape_str(a.shape()), ta ? "^T" : "", shape_str(b.shape()), tb ? "^T" : "",
-              shape_str(c.shape()), dtype_name(a.dtype()), dtype_name(b.dtype()),
-              dtype_name(c.dtype()));
-    int pick = 0;
-    if (found > 1) {
-      // Time each candidate and keep the fastest. With beta = 0, C's contents are about to be
-      // replaced, so the candidates write there; otherwise C is read and they write a scratch.
-      Tensor scratch_d =
-          beta == 0.0f ? c
-                       : Tensor::empty(c.shape(), c.dtype(), c.device(), "gemm autotune output");
-      cudaEvent_t e0, e1;
-      RIG_CUDA_CHECK(cudaEventCreate(&e0));
-      RIG_CUDA_CHECK(cudaEventCreate(&e1));
-      auto run = [&](int i) {
-        return cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
-                              c.raw(), lc.d, scratch_d.raw(), lc.d, &res[i].algo,
-                              ld.workspace.raw(), kWorkspace, stream_for(dev));
-      };
-      // Three rounds over all candidates, each keeping its best: clocks still ramping up during
-      // the first round then favour no candidate. (With one round, two runs of the same 1B step
-      // picked different algorithms for a product, and its speed differed by 15%.)
-      std::vector<float> best(size_t(found), INFINITY);  // stays infinite: cannot run here
-      std::vector<bool> runs(size_t(found), false);
-      for (int i = 0; i < found; ++i) runs[size_t(i)] = run(i) == CUBLAS_STATUS_SUCCESS;
-      for (int round = 0; round < 3; ++round)
-        for (int i = 0; i < found; ++i) {
-          if (!runs[size_t(i)]) continue;
-          RIG_CUDA_CHECK(cudaEventRecord(e0, stream_for(dev)));
-          for (int r = 0; r < 2; ++r) (void)run(i);
-          RIG_CUDA_CHECK(cudaEventRecord(e1, stream_for(dev)));
-          RIG_CUDA_CHECK(cudaEventSynchronize(e1));
-          float ms = 0;
-          RIG_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          best[size_t(i)] = std::min(best[size_t(i)], ms);
-        }
-      pick = int(std::min_element(best.begin(), best.end()) - best.begin());
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
-    }
-    it = algos().emplace(key, res[pick].algo).first;
-  }
+  if (it == algos().end()) it = algos().emplace(key, choose(p, key, bias != nullptr)).first;
   if (!it->second) return false;
-  RIG_CUBLAS_CHECK(cublasLtMatmul(ld.handle, desc.d, &alpha, b.raw(), la.d, a.raw(), lb.d, &beta,
-                                  c.raw(), lc.d, c.raw(), lc.d, &*it->second, ld.workspace.raw(),
-                                  kWorkspace, stream_for(dev)));
+  RIG_CUBLAS_CHECK(p.run(*it->second, c.raw()));
   return true;
 }
 

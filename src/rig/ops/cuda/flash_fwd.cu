@@ -204,17 +204,22 @@ __device__ __forceinline__ void fwd_tile(const FlashParams& p, unsigned char* sm
     }
 }
 
-// Grid (B * Hq, Y): without a tile list, block y takes query tile Y-1-y; with one, the listed
-// tiles y, y + Y, ... of its batch row (the list is sorted longest first).
+// Grid (B * Hq, Y): block y takes query tile Y-1-y (longest rows first).
 template <int D, int MT, int NW, int BN, int BNS>
 __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p) {
   constexpr int BM = 16 * MT * NW;
   extern __shared__ __align__(128) unsigned char smem[];
   const int b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq;
-  if (!p.fwd_tiles) {
-    fwd_tile<D, MT, NW, BN, BNS>(p, smem, b, h, plain_work(p.T, BM, gridDim.y - 1 - blockIdx.y));
-    return;
-  }
+  fwd_tile<D, MT, NW, BN, BNS>(p, smem, b, h, plain_work(p.T, BM, gridDim.y - 1 - blockIdx.y));
+}
+
+// Packed rows: grid (B * Hq, Y), block y takes the listed tiles y, y + Y, ... of its batch row
+// (the list is sorted longest first). A kernel of its own: the loop in the plain kernel made
+// the d128 tile spill on sm_89.
+template <int D, int MT, int NW, int BN, int BNS>
+__global__ void __launch_bounds__(NW * 32) flash_fwd_listed_kernel(const FlashParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq;
   const int4* tiles = p.fwd_tiles + int64_t(b) * p.fwd_cap;
   for (int it = blockIdx.y; it < p.fwd_count[b]; it += gridDim.y) {
     fwd_tile<D, MT, NW, BN, BNS>(p, smem, b, h, listed_work(tiles, it));
@@ -222,9 +227,10 @@ __global__ void __launch_bounds__(NW * 32) flash_fwd_kernel(const FlashParams p)
   }
 }
 
-template <typename C, int D>
+template <typename C, int D, bool LISTED>
 cudaError_t fwd_launch(const FlashParams& p, unsigned blocks_y, cudaStream_t s) {
-  auto kern = flash_fwd_kernel<D, C::MT, C::NW, C::BN, C::BNS>;
+  auto kern = LISTED ? flash_fwd_listed_kernel<D, C::MT, C::NW, C::BN, C::BNS>
+                     : flash_fwd_kernel<D, C::MT, C::NW, C::BN, C::BNS>;
   cudaError_t e = allow_smem(kern, C::smem);
   if (e != cudaSuccess) return e;
   kern<<<dim3(unsigned(p.B * p.Hq), blocks_y), C::NW * 32, C::smem, s>>>(p);
@@ -235,11 +241,12 @@ template <int D>
 cudaError_t fwd_d(const FlashParams& p, cudaStream_t s) {
   using Plain = FwdCfg<D>;
   using Listed = FwdListedCfg<D>;
-  if (!p.fwd_tiles) return fwd_launch<Plain, D>(p, unsigned((p.T + Plain::BM - 1) / Plain::BM), s);
+  if (!p.fwd_tiles)
+    return fwd_launch<Plain, D, false>(p, unsigned((p.T + Plain::BM - 1) / Plain::BM), s);
   cudaError_t e = run_tile_list<Listed::BM, false>(p, p.fwd_cap, p.fwd_tiles, p.fwd_count, s);
   if (e != cudaSuccess) return e;
   // Twice the plain count of blocks, each looping over its share of the list.
-  return fwd_launch<Listed, D>(p, unsigned(2 * ((p.T + Listed::BM - 1) / Listed::BM)), s);
+  return fwd_launch<Listed, D, true>(p, unsigned(2 * ((p.T + Listed::BM - 1) / Listed::BM)), s);
 }
 
 }  // namespace

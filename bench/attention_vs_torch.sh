@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Attention side by side on one GPU, in one run: rig bench attention (cuDNN path, rig's flash
 # kernel; plain causal and packed segments of average length 512) and PyTorch's SDPA (cuDNN and
-# FlashAttention-2 backends) on the same shapes. Writes OUTDIR/attention.jsonl.
+# FlashAttention-2 backends; FA2's varlen kernel on the same packed segments) on the same shapes.
+# Writes OUTDIR/attention.jsonl.
 #
 # usage: bench/attention_vs_torch.sh OUTDIR   (RIG=path/to/rig, default dist/rig/rig)
 set -u
@@ -14,14 +15,21 @@ for shape in "2 4096 32 8 128" "4 2048 32 8 128" "2 4096 32 8 64"; do
   args=(--batch "$B" --seq "$T" --heads "$H" --kv-heads "$Hk" --head-dim "$D")
   "$rig" bench attention "${args[@]}" --impl cudnn,flash --json >> "$out/attention.jsonl"
   "$rig" bench attention "${args[@]}" --impl cudnn --deterministic --json >> "$out/attention.jsonl"
-  "$rig" bench attention "${args[@]}" --impl flash --packed 512 --json >> "$out/attention.jsonl"
-  python3 "$(dirname "$0")/torch_sdpa.py" "${args[@]}" >> "$out/attention.jsonl" 2> "$out/torch_sdpa.err"
+  "$rig" bench attention "${args[@]}" --impl flash --packed 512 --json > "$out/packed.json"
+  cat "$out/packed.json" >> "$out/attention.jsonl"
+  python3 "$(dirname "$0")/torch_sdpa.py" "${args[@]}" >> "$out/attention.jsonl" 2>> "$out/torch_sdpa.err"
+  # FlashAttention-2's varlen kernel on the very segments rig's packed run drew.
+  python3 -c 'import json,sys; json.dump(json.load(sys.stdin)["segment_lengths"], sys.stdout)' \
+    < "$out/packed.json" > "$out/segments.json" &&
+    python3 "$(dirname "$0")/torch_sdpa.py" "${args[@]}" --segments "$out/segments.json" \
+      --packed-avg 512 >> "$out/attention.jsonl" 2>> "$out/torch_sdpa.err"
 done
 python3 - "$out/attention.jsonl" <<'PY'
 import json, sys
 print(f"{'impl':<14}{'shape':<22}{'packed':>7}{'det':>5}{'fwd TF/s':>10}{'bwd TF/s':>10}")
 for line in open(sys.argv[1]):
     r = json.loads(line)
+    r.pop("segment_lengths", None)
     shape = f"{r['B']}x{r['T']} {r['Hq']}/{r['Hk']} d{r['D']}"
     if "skipped" in r:
         print(f"{r['impl']:<14}{shape:<22} skipped: {r['skipped'][:60]}")

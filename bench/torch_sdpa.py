@@ -1,7 +1,11 @@
 """PyTorch's scaled_dot_product_attention on rig bench attention's shape, one JSON line per backend.
 
 usage: python3 bench/torch_sdpa.py [--batch 2 --seq 4096 --heads 32 --kv-heads 8 --head-dim 128]
+                                  [--segments FILE --packed-avg 512]
 Backends forced with torch.nn.attention.sdpa_kernel: cuDNN's fused attention and FlashAttention-2.
+With --segments (a JSON list of each batch row's segment lengths, as `rig bench attention
+--packed N --json` prints them), FlashAttention-2's varlen kernel instead, on those segments:
+the packed-data comparison point (aten's _flash_attention_forward/_backward with cu_seqlens).
 Causal, bf16, [B,H,T,D]; K/V carry kv-heads and enable_gqa=True where the backend takes it, else
 they are expanded to the query heads (the expansion is not timed). FLOPs count visible pairs
 only: forward 4*B*H*D*T(T+1)/2, backward 2.5x forward.
@@ -29,6 +33,39 @@ def median_ms(fn, warmup=3, iters=20):
     return times[len(times) // 2]
 
 
+def varlen_row(a, lengths):
+    """FlashAttention-2 varlen on the given segments: [total, H, D] with cumulative offsets."""
+    H, Hk, D = a.heads, a.kv_heads, a.head_dim
+    offs, pairs = [0], 0
+    for row in lengths:
+        for n in row:
+            offs.append(offs[-1] + n)
+            pairs += n * (n + 1) // 2
+    total, longest = offs[-1], max(max(r) for r in lengths)
+    row = {"impl": "torch-flash2-varlen", "B": a.batch, "T": a.seq, "Hq": H, "Hk": Hk, "D": D,
+           "causal": True, "packed_avg": a.packed_avg, "torch": torch.__version__}
+    try:
+        g = torch.Generator(device="cuda").manual_seed(1234)
+        mk = lambda h: torch.randn(total, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v, dout = mk(H), mk(Hk), mk(Hk), mk(H)
+        cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        scale = D ** -0.5
+        fwd = lambda: torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
+        with torch.no_grad():
+            row["fwd_ms"] = median_ms(fwd, iters=a.iters)
+            out, lse, rng, unused, _ = fwd()
+            row["bwd_ms"] = median_ms(lambda: torch.ops.aten._flash_attention_backward(
+                dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused,
+                scale=scale), iters=a.iters)
+        fwd_flops = 4.0 * H * D * pairs
+        row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+        row["bwd_tflops"] = 2.5 * fwd_flops / row["bwd_ms"] / 1e9
+    except (RuntimeError, TypeError) as e:
+        row["skipped"] = str(e).splitlines()[0][:200]
+    print(json.dumps(row), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=2)
@@ -37,7 +74,13 @@ def main():
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--segments", help="JSON file: each batch row's segment lengths")
+    p.add_argument("--packed-avg", type=int, default=0, help="recorded in the output row")
     a = p.parse_args()
+    if a.segments:
+        with open(a.segments) as f:
+            varlen_row(a, json.load(f))
+        return
     B, T, H, Hk, D = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     g = torch.Generator(device="cuda").manual_seed(1234)
     mk = lambda h: torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, generator=g)

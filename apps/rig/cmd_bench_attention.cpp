@@ -38,6 +38,7 @@ int run(const Opts& o) {
                        {"causal", true},
                        {"packed_avg", b.packed_avg},
                        {"deterministic", b.deterministic}};
+      if (!r.segment_lengths.empty()) j["segment_lengths"] = r.segment_lengths;
       if (r.skipped.empty()) {
         j["fwd_ms"] = r.fwd_ms;
         j["bwd_ms"] = r.bwd_ms;
@@ -74,6 +75,7 @@ rig::cli::Registrar reg(
           ->capture_default_str();
       app.add_option("--iters", o->b.iters, "timed repetitions (the median is reported)")
           ->capture_default_str();
+      app.add_option("--warmup", o->b.warmup, "untimed repetitions first")->capture_default_str();
       app.add_option("--device", o->b.device, "CUDA device index")->capture_default_str();
       app.add_flag("--deterministic", o->b.deterministic, "cuDNN's bitwise-repeatable backward");
       app.add_flag("--json", o->json, "one JSON line per implementation");

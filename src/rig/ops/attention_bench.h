@@ -21,6 +21,8 @@ struct AttentionBenchRow {
   double fwd_ms = 0, bwd_ms = 0;          // medians
   double fwd_tflops = 0, bwd_tflops = 0;  // useful FLOPs: visible (query, key) pairs only
   std::string skipped;                    // why this implementation did not run, if it did not
+  // Packed runs: each batch row's segment lengths (bench/torch_sdpa.py replays them).
+  std::vector<std::vector<int64_t>> segment_lengths;
 };
 
 // Causal FLOPs of one forward over `pairs` visible (query, key) pairs; backward counts 2.5x.

@@ -21,16 +21,19 @@ Tensor random_bf16(const Shape& s, std::mt19937& g, int dev) {
 }
 
 // Segment ids with lengths drawn uniformly from [1, 2*avg-1]; returns the visible pair count.
-Tensor packed_segments(int64_t B, int64_t T, int64_t avg, std::mt19937& g, int64_t* pairs) {
+Tensor packed_segments(int64_t B, int64_t T, int64_t avg, std::mt19937& g, int64_t* pairs,
+                       std::vector<std::vector<int64_t>>* lengths) {
   std::uniform_int_distribution<int64_t> len(1, 2 * avg - 1);
   Tensor seg = Tensor::empty({B, T}, DType::I64);
   *pairs = 0;
+  lengths->assign(size_t(B), {});
   for (int64_t b = 0; b < B; ++b) {
     int64_t t = 0, id = 0;
     while (t < T) {
       const int64_t l = std::min(len(g), T - t);
       for (int64_t i = 0; i < l; ++i) seg.data<int64_t>()[b * T + t + i] = id;
       *pairs += l * (l + 1) / 2;
+      (*lengths)[size_t(b)].push_back(l);
       t += l;
       ++id;
     }
@@ -82,8 +85,9 @@ std::vector<AttentionBenchRow> bench_attention(const AttentionBenchOptions& o) {
   Tensor dout = random_bf16(qs, g, dev);
   int64_t pairs = o.batch * o.seq * (o.seq + 1) / 2;
   Tensor seg;
+  std::vector<std::vector<int64_t>> lengths;
   if (o.packed_avg > 0)
-    seg = packed_segments(o.batch, o.seq, o.packed_avg, g, &pairs).to(Device::cuda(dev));
+    seg = packed_segments(o.batch, o.seq, o.packed_avg, g, &pairs, &lengths).to(Device::cuda(dev));
   Tensor out = Tensor::empty(qs, DType::BF16, Device::cuda(dev));
   Tensor lse = Tensor::empty({o.batch, o.heads, o.seq}, DType::F32, Device::cuda(dev));
   Tensor dq = Tensor::empty(qs, DType::BF16, Device::cuda(dev));
@@ -96,6 +100,7 @@ std::vector<AttentionBenchRow> bench_attention(const AttentionBenchOptions& o) {
   for (const auto& impl : o.impls) {
     AttentionBenchRow r;
     r.impl = impl;
+    r.segment_lengths = lengths;
     cuda::set_attention_impl(impl);
     try {
       r.fwd_ms =

@@ -440,12 +440,11 @@ cudaError_t flash_bwd(const void* dout, const void* q, const void* k, const void
   p.dv = static_cast<bf16*>(dv);
   p.lse_in = lse;
   p.delta = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + w.delta);
-  cudaError_t e = run_seg_info(p, workspace, w, s);
-  if (e == cudaSuccess && seg)
-    e = run_tile_list<kBwdTile, false>(p, p.bwd_cap, p.dq_tiles, p.dq_count, s);
-  if (e == cudaSuccess && seg)
-    e = run_tile_list<kBwdTile, true>(p, p.bwd_cap, p.kv_tiles, p.kv_count, s);
-  if (e != cudaSuccess) return e;
+  if (seg) {
+    const cudaError_t e = run_seg_plan<kBwdTile, false, kBwdTile, true>(
+        p, p.bwd_cap, p.dq_tiles, p.dq_count, p.kv_tiles, p.kv_count, s);
+    if (e != cudaSuccess) return e;
+  }
   return by_head_dim(d.D, [&]<int D>() { return bwd_d<D>(p, s); });
 }
 

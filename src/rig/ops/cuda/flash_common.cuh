@@ -10,16 +10,17 @@
 // Query i sees key j iff j <= i and (no seg, or seg[b,j] == seg[b,i]).
 //
 // Kernels
-//  seg_info   per batch row: each position's `first` (first position with the same id: equal
-//             `first` <=> same segment, an int32 compare) and, when the ids never decrease (what
-//             rig's packer makes), each segment's last position.
-//  tile_list  per batch row, with segments: the tiles the blocks take, longest first. Ids that
-//             never decrease: tiles cut from each segment's start, so no tile holds two segments
-//             and only the causal diagonal is masked (varlen scheduling). Otherwise tiles of
-//             [0, T), every element masked by segment: still exact, no skipping.
-//  fwd        one block per (b, query head, BM query rows), or per (b, query head) share of the
-//             tile list; walks key tiles left to right with the online softmax. Each warp owns
-//             16*MT full query rows, so row max / sum need only a quad shuffle. K/V tiles
+//  seg_plan   one block per batch row, with segments: each position's `first` (first position
+//             with the same id: equal `first` <=> same segment, an int32 compare) and, when the
+//             ids never decrease (what rig's packer makes), each segment's last position; then
+//             the tiles the blocks take, longest first. Ids that never decrease: tiles cut from
+//             each segment's start, so no tile holds two segments and only the causal diagonal is
+//             masked (varlen scheduling). Otherwise tiles of [0, T), every element masked by
+//             segment: still exact, no skipping.
+//  fwd        one block per (b, query head, 128 query rows), or per (b, query head) share of
+//             the tile list; walks key tiles left to right with the online softmax. Each warp
+//             owns two blocks of 16 full query rows, one from each end of the tile (balanced on
+//             the diagonal), so row max / sum need only a quad shuffle. K/V tiles
 //             double-buffered: tile n+1 loads under tile n's math.
 //  delta      rowsum(dout * out), fp32, into the workspace.
 //  bwd_dq     one block per (b, query head, 16*NW query rows), key tiles double-buffered:
@@ -57,8 +58,8 @@ struct FlashParams {
   const float* lse_in;  // bwd input
   float* delta;         // [B,Hq,T] (bwd workspace)
   const int64_t* seg;   // [B,T] or nullptr (read by the pre-pass only)
-  const int *mono, *first, *last;  // seg_info_kernel's output, nullptr without seg
-  // tile_list_kernel's output with seg, nullptr without: per batch row, `cap` int4 {i0, s, e,
+  const int *mono, *first, *last;  // seg_plan_kernel's output, nullptr without seg
+  // seg_plan_kernel's tile lists with seg, nullptr without: per batch row, `cap` int4 {i0, s, e,
   // masked} longest first and their count; the forward's tiles of BM rows, dQ's (and dK/dV's,
   // read in the dK/dV order) of 64.
   const int4 *fwd_tiles, *dq_tiles, *kv_tiles;
@@ -188,74 +189,105 @@ __device__ __forceinline__ Lanes<D> lanes_bn(int lane) {
 
 // ================================================================ segment pre-pass
 
-// Grid (position blocks, B). first[i]: the first position of the row holding seg[i]'s id, so two
-// positions share a segment iff their `first` agree (int32 compares, whatever the ids are).
-// Non-decreasing ids (the packer's): first by binary search, and last[i] the segment's last position;
-// the tile loops start and stop there. Otherwise first by a linear search and last = T-1: no skipping.
-// Every block checks the whole row's order itself (a few loads a thread) rather than waiting on one.
-constexpr int kSegThreads = 256;
-__global__ void __launch_bounds__(kSegThreads) seg_info_kernel(const int64_t* seg, int T, int* mono,
-                                                                int* first, int* last) {
-  const int b = blockIdx.y;
-  const int64_t* s = seg + int64_t(b) * T;
+// The segment pre-pass: one kernel, one block of kPlanThreads per batch row. Each thread owns a
+// contiguous chunk of positions; scans carry across chunks through `part`.
+constexpr int kPlanThreads = 1024;
+
+enum class Scan { kMax, kMin, kSum };
+template <Scan OP>
+__device__ __forceinline__ int scan_op(int a, int b) {
+  if constexpr (OP == Scan::kMax)
+    return max(a, b);
+  else if constexpr (OP == Scan::kMin)
+    return min(a, b);
+  else
+    return a + b;
+}
+// Exclusive scan over the block's threads (a multiple of 32, at most 1024): OP of v over the
+// threads before this one, or after it with SUFFIX; `none` (OP's identity) where there are none.
+// Shuffles within warps, then one warp scans the warp totals in part[32]: three barriers.
+template <Scan OP, bool SUFFIX>
+__device__ int block_scan_excl(int v, int none, int* part) {
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+  auto warp_incl = [&](int x) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y =
+          SUFFIX ? __shfl_down_sync(0xffffffffu, x, off) : __shfl_up_sync(0xffffffffu, x, off);
+      if (SUFFIX ? lane + off < 32 : lane >= off) x = scan_op<OP>(x, y);
+    }
+    return x;
+  };
+  const int x = warp_incl(v);
+  if (lane == (SUFFIX ? 0 : 31)) part[wid] = x;  // the warp's total
+  __syncthreads();
+  if (wid == 0) part[lane] = warp_incl(lane < nw ? part[lane] : none);
+  __syncthreads();
+  int in_warp = SUFFIX ? __shfl_down_sync(0xffffffffu, x, 1) : __shfl_up_sync(0xffffffffu, x, 1);
+  if (lane == (SUFFIX ? 31 : 0)) in_warp = none;
+  const int other =
+      SUFFIX ? (wid + 1 < nw ? part[wid + 1] : none) : (wid > 0 ? part[wid - 1] : none);
+  __syncthreads();  // part is free again
+  return scan_op<OP>(in_warp, other);
+}
+
+// Each position's segment facts; returns whether the ids never decrease. first[i]: the first
+// position of the row holding seg[i]'s id, so two positions share a segment iff their `first`
+// agree (int32 compares, whatever the ids are). Non-decreasing ids (the packer's): first and
+// last[i], the segment's last position, from the chunks' segment starts and ends; the tile loops
+// start and stop there. Otherwise first by a linear search and last = T-1: no skipping.
+__device__ bool plan_positions(const int64_t* sg, int T, int* first, int* last, int* part) {
+  const int tid = threadIdx.x, nt = blockDim.x;
   int bad = 0;
-  for (int i = threadIdx.x + 1; i < T; i += blockDim.x) bad |= s[i] < s[i - 1];
-  const int ok = __syncthreads_and(!bad);
-  if (blockIdx.x == 0 && threadIdx.x == 0) mono[b] = ok;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < T) {
-    const int64_t v = s[i];
-    int lo = i, hi = T - 1;
-    if (ok) {
-      int a = 0, z = i;  // first index in [0, i] with s >= v
-      while (a < z) {
-        const int mid = (a + z) >> 1;
-        if (s[mid] < v) a = mid + 1; else z = mid;
-      }
-      lo = a;
-      a = i, z = T - 1;  // last index in [i, T) with s <= v
-      while (a < z) {
-        const int mid = (a + z + 1) >> 1;
-        if (s[mid] > v) z = mid - 1; else a = mid;
-      }
-      hi = a;
-    } else {
+  for (int i = tid + 1; i < T; i += nt) bad |= sg[i] < sg[i - 1];
+  const bool ok = __syncthreads_and(!bad);
+  if (!ok) {
+    for (int i = tid; i < T; i += nt) {
+      int lo = i;
       for (int j = 0; j < i; ++j)
-        if (s[j] == v) {
+        if (sg[j] == sg[i]) {
           lo = j;
           break;
         }
+      first[i] = lo;
+      last[i] = T - 1;
     }
-    first[int64_t(b) * T + i] = lo;
-    last[int64_t(b) * T + i] = hi;
+    __syncthreads();
+    return false;
   }
+  const int chunk = (T + nt - 1) / nt, c0 = min(T, tid * chunk), c1 = min(T, c0 + chunk);
+  auto starts = [&](int i) { return i == 0 || sg[i] != sg[i - 1]; };
+  auto ends = [&](int i) { return i == T - 1 || sg[i] != sg[i + 1]; };
+  int my_start = -1, my_end = INT_MAX;  // the chunk's last segment start, first segment end
+  for (int i = c0; i < c1; ++i) {
+    if (starts(i)) my_start = i;
+    if (ends(i) && my_end == INT_MAX) my_end = i;
+  }
+  int cur = block_scan_excl<Scan::kMax, false>(my_start, -1, part);
+  for (int i = c0; i < c1; ++i) first[i] = cur = starts(i) ? i : cur;
+  cur = block_scan_excl<Scan::kMin, true>(my_end, INT_MAX, part);
+  for (int i = c1 - 1; i >= c0; --i) last[i] = cur = ends(i) ? i : cur;
+  __syncthreads();  // first and last are read by other threads next
+  return true;
 }
 
-// Per batch row: the tiles of TILE positions a kernel's blocks take, longest first, as int4
-// {i0, s, e, masked} (see Work). Rows with non-decreasing ids: each segment [s, e) is cut into
-// tiles from s, bucketed by cost (the forward and dQ: tile k of a segment sees k + 1 key tiles;
-// dK/dV, REMAINING: n - k query tiles) with a counting sort; the order inside a bucket is whatever
-// the atomics give, which changes no result (every tile is computed alone). Other rows: TILE
-// tiles of [0, T), masked. One block per batch row; K buckets (the costliest are merged into the
-// last), 2K ints of dynamic shared memory.
+// One batch row's tiles of TILE positions for a kernel's blocks, longest first, as int4
+// {i0, s, e, masked} (see Work). Sorted ids: each segment [s, e) is cut into tiles from s,
+// bucketed by cost (the forward and dQ: tile k of a segment sees k + 1 key tiles; dK/dV,
+// REMAINING: n - k query tiles) with a counting sort; the order inside a bucket is whatever the
+// atomics give, which changes no result (every tile is computed alone). Otherwise TILE tiles of
+// [0, T), masked. K buckets (the costliest are merged into the last) in hist and base.
 template <int TILE, bool REMAINING>
-__global__ void __launch_bounds__(1024)
-    tile_list_kernel(const int64_t* seg, int T, const int* mono, const int* last, int K, int cap,
-                     int4* tiles, int* count) {
-  extern __shared__ int sh[];
-  int *hist = sh, *base = sh + K;
-  __shared__ int part[1024];
-  const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-  const int64_t* sg = seg + int64_t(b) * T;
-  const int* lst = last + int64_t(b) * T;
-  int4* out = tiles + int64_t(b) * cap;
-  if (!mono[b]) {
+__device__ void plan_tiles(const int64_t* sg, int T, bool ok, const int* lst, int K, int4* out,
+                           int* count, int* hist, int* base, int* part) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  if (!ok) {
     const int n = (T + TILE - 1) / TILE;
     for (int k = tid; k < n; k += nt) {
       const int t = REMAINING ? k : n - 1 - k;
       out[k] = make_int4(t * TILE, 0, T, 1);
     }
-    if (tid == 0) count[b] = n;
+    if (tid == 0) *count = n;
     return;
   }
   auto bucket = [&](int k, int n) { return min(REMAINING ? n - 1 - k : k, K - 1); };
@@ -268,24 +300,16 @@ __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   // base[k]: the tiles of the buckets above k. Each thread sums a chunk of buckets; suffix sums
-  // of the chunks (Hillis-Steele), then each thread fills its own chunk.
+  // of the chunks, then each thread fills its own chunk.
   const int chunk = (K + nt - 1) / nt, k0 = min(K, tid * chunk), k1 = min(K, k0 + chunk);
   int sum = 0;
   for (int k = k0; k < k1; ++k) sum += hist[k];
-  part[tid] = sum;
-  __syncthreads();
-  for (int off = 1; off < nt; off <<= 1) {
-    const int v = tid + off < nt ? part[tid + off] : 0;
-    __syncthreads();
-    part[tid] += v;
-    __syncthreads();
-  }
-  int above = tid + 1 < nt ? part[tid + 1] : 0;
+  int above = block_scan_excl<Scan::kSum, true>(sum, 0, part);
+  if (tid == 0) *count = above + sum;
   for (int k = k1 - 1; k >= k0; --k) {
     base[k] = above;
     above += hist[k];
   }
-  if (tid == 0) count[b] = part[0];
   __syncthreads();
   for (int k = tid; k < K; k += nt) hist[k] = 0;  // now each bucket's cursor
   __syncthreads();
@@ -297,12 +321,35 @@ __global__ void __launch_bounds__(1024)
       out[base[c] + atomicAdd(&hist[c], 1)] = make_int4(i + k * TILE, i, e, 0);
     }
   }
+  __syncthreads();  // hist and base are free again
+}
+
+// Grid B: the positions' facts, then one tile list (TB = 0) or two (the backward's dQ and dK/dV
+// lists), in one launch: 12.5 us forward and 16.2 us backward on the H200 at B = 2, T = 4096,
+// where three kernels (position facts, then each list) took 17.2 and 25.3 us, mostly latency.
+// Dynamic shared memory: 2 max(Ka, Kb) ints.
+template <int TA, bool RA, int TB, bool RB>
+__global__ void __launch_bounds__(kPlanThreads)
+    seg_plan_kernel(const int64_t* seg, int T, int* mono, int* first, int* last, int cap, int Ka,
+                    int4* tiles_a, int* count_a, int Kb, int4* tiles_b, int* count_b) {
+  extern __shared__ int sh[];
+  __shared__ int part[32];
+  const int b = blockIdx.x;
+  const int64_t* sg = seg + int64_t(b) * T;
+  int* lst = last + int64_t(b) * T;
+  const bool ok = plan_positions(sg, T, first + int64_t(b) * T, lst, part);
+  if (threadIdx.x == 0) mono[b] = ok;
+  plan_tiles<TA, RA>(sg, T, ok, lst, Ka, tiles_a + int64_t(b) * cap, count_a + b, sh, sh + Ka,
+                     part);
+  if constexpr (TB > 0)
+    plan_tiles<TB, RB>(sg, T, ok, lst, Kb, tiles_b + int64_t(b) * cap, count_b + b, sh, sh + Kb,
+                       part);
 }
 
 // One block's work: query rows [i0, i0 + BM) (forward, dQ) or keys [i0, i0 + BN) (dK/dV) of
 // the run [s, e) of batch row b: positions before s are not visible to it, positions from e on
 // are treated as absent (zero-filled, never stored). Rows with non-decreasing segment ids (what
-// rig's packer makes) get tiles that start at their segment's start (tile_list_kernel), so a
+// rig's packer makes) get tiles that start at their segment's start (seg_plan_kernel), so a
 // tile never holds two segments and only the causal diagonal is masked. Otherwise s = 0, e = T,
 // and segments, if any, are masked per element (`masked`).
 struct Work {
@@ -344,14 +391,13 @@ __device__ __forceinline__ void load_first(int* dst, const int* first, int r0, i
 // ================================================================ tile configurations
 
 // Forward: 4 warps x 32 rows, 128 x 64 tiles (FlashAttention-2's choice on sm_80), S computed 32
-// keys at a time at D >= 96. Listed tiles (packed rows) take 64 rows (MT = 1) at D <= 64, where
-// that was 7% faster on segments of average length 512 (each segment's last tile is on average
-// half empty), and 128 at D = 128, where 64 rows were 14% slower (H200, 2026-12-04).
-template <int D, int MT_ = 2>
+// keys at a time at D >= 96. Packed rows take the same tiles: with balanced rows, 128-row tiles
+// beat 64-row ones at d64 too (H200, 2026-12-04).
+template <int D>
 struct FwdCfg {
-  static constexpr int MT = MT_, NW = 4, BN = 64, BNS = D >= 96 ? 32 : 64, BM = 16 * MT * NW;
+  static constexpr int NW = 4, BN = 64, BNS = D >= 96 ? 32 : 64, BM = 32 * NW;
   static constexpr size_t smem =
-      size_t(BM + 4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN + 2 * NW) * sizeof(int);
+      size_t(BM + 4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN) * sizeof(int);
 };
 // dQ: 4 warps x 16 rows, 64-key tiles double-buffered.
 template <int D>
@@ -377,10 +423,8 @@ cudaError_t allow_smem(Kern kern, size_t bytes) {
 constexpr size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
 // Tile sizes of the tile lists: the forward's query rows, dQ's query rows and dK/dV's keys.
-template <int D>
-using FwdListedCfg = FwdCfg<D, D <= 64 ? 1 : 2>;
-constexpr int kFwdTileMin = 64, kBwdTile = 64;
-static_assert(FwdListedCfg<64>::BM == kFwdTileMin && FwdListedCfg<128>::BM >= kFwdTileMin, "tiles");
+constexpr int kFwdTile = 128, kBwdTile = 64;
+static_assert(FwdCfg<64>::BM == kFwdTile && FwdCfg<128>::BM == kFwdTile, "forward tiles");
 static_assert(DqCfg<64>::BM == kBwdTile && DkvCfg<64>::BN == kBwdTile, "backward tiles");
 // A row has at most ceil(T / tile) tiles plus one per segment.
 int list_cap(int T, int tile) {
@@ -409,7 +453,7 @@ Workspace layout(const AttnDims& d, bool has_seg, bool bwd) {
     w.start = take(sizeof(int) * size_t(d.B) * d.T);
     w.end = take(sizeof(int) * size_t(d.B) * d.T);
     // Forward: its list in a. Backward: dQ's in a, dK/dV's in b.
-    const size_t cap = size_t(list_cap(d.T, bwd ? kBwdTile : kFwdTileMin));
+    const size_t cap = size_t(list_cap(d.T, bwd ? kBwdTile : kFwdTile));
     w.tiles_a = take(sizeof(int4) * size_t(d.B) * cap);
     w.count_a = take(sizeof(int) * size_t(d.B));
     if (bwd) {
@@ -447,29 +491,22 @@ FlashParams make_params(const AttnDims& d, const int64_t* seg, void* ws, const W
     } else {
       p.fwd_tiles = tiles(w.tiles_a);
       p.fwd_count = count(w.count_a);
-      p.fwd_cap = list_cap(d.T, kFwdTileMin);  // enough for any head dim's tile
+      p.fwd_cap = list_cap(d.T, kFwdTile);
     }
   }
   return p;
 }
 
-cudaError_t run_seg_info(const FlashParams& p, void* ws, const Workspace& w, cudaStream_t s) {
-  if (!p.seg) return cudaSuccess;
-  auto* base = static_cast<unsigned char*>(ws);
-  dim3 grid(unsigned((p.T + kSegThreads - 1) / kSegThreads), unsigned(p.B));
-  seg_info_kernel<<<grid, kSegThreads, 0, s>>>(p.seg, p.T, reinterpret_cast<int*>(base + w.mono),
-                                      reinterpret_cast<int*>(base + w.start),
-                                      reinterpret_cast<int*>(base + w.end));
-  return cudaGetLastError();
-}
-
-// Builds one tile list (after run_seg_info, on the same stream).
-template <int TILE, bool REMAINING>
-cudaError_t run_tile_list(const FlashParams& p, int cap, const int4* tiles, const int* count,
-                          cudaStream_t s) {
-  const int K = list_buckets(p.T, TILE);
-  tile_list_kernel<TILE, REMAINING><<<unsigned(p.B), 1024, size_t(2 * K) * sizeof(int), s>>>(
-      p.seg, p.T, p.mono, p.last, K, cap, const_cast<int4*>(tiles), const_cast<int*>(count));
+// The segment pre-pass: positions' facts and the tile list(s) a and (TB > 0) b.
+template <int TA, bool RA, int TB = 0, bool RB = false>
+cudaError_t run_seg_plan(const FlashParams& p, int cap, const int4* ta, const int* ca,
+                         const int4* tb, const int* cb, cudaStream_t s) {
+  const int Ka = list_buckets(p.T, TA), Kb = TB > 0 ? list_buckets(p.T, TB) : 0;
+  const size_t smem = size_t(2 * std::max(Ka, Kb)) * sizeof(int);
+  seg_plan_kernel<TA, RA, TB, RB><<<unsigned(p.B), kPlanThreads, smem, s>>>(
+      p.seg, p.T, const_cast<int*>(p.mono), const_cast<int*>(p.first), const_cast<int*>(p.last),
+      cap, Ka, const_cast<int4*>(ta), const_cast<int*>(ca), Kb, const_cast<int4*>(tb),
+      const_cast<int*>(cb));
   return cudaGetLastError();
 }
 

@@ -326,7 +326,7 @@ __device__ void plan_tiles(const int64_t* sg, int T, bool ok, const int* lst, in
 
 // Grid B: the positions' facts, then one tile list (TB = 0) or two (the backward's dQ and dK/dV
 // lists), in one launch: 12.5 us forward and 16.2 us backward on the H200 at B = 2, T = 4096,
-// where three kernels (position facts, then each list) took 17.2 and 25.3 us, mostly latency.
+// where separate kernels (position facts, then each list) took 17.2 and 25.3 us, mostly latency.
 // Dynamic shared memory: 2 max(Ka, Kb) ints.
 template <int TA, bool RA, int TB, bool RB>
 __global__ void __launch_bounds__(kPlanThreads)

@@ -5,42 +5,12 @@ namespace rig::ops::cuda::k {
 
 namespace {
 
-// ================================================================ backward: delta
-
-// delta = sum_d dout * out in fp32 for every (b, t, h) row, in 16-byte loads: a row is C = D/8
-// lanes (several rows a warp when C divides 32, else one row a warp).
-template <int D>
-__global__ void delta_kernel(const bf16* dout, const bf16* out, float* delta, int64_t rows, int T,
-                             int Hq) {
-  constexpr int C = D / 8, RPW = 32 % C == 0 ? 32 / C : 1, G = RPW > 1 ? C : 32;
-  const int lane = threadIdx.x & 31, c = lane % G;
-  const int64_t row = ((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * RPW + lane / G;
-  float acc = 0.0f;
-  if (row < rows && c < C) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(dout + row * D) + c);
-    const uint4 o = __ldg(reinterpret_cast<const uint4*>(out + row * D) + c);
-    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const float2 fa = __bfloat1622float2(a2[x]), fo = __bfloat1622float2(o2[x]);
-      acc = fmaf(fa.x, fo.x, fmaf(fa.y, fo.y, acc));
-    }
-  }
-#pragma unroll
-  for (int o = G / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (c == 0 && row < rows) {
-    const int h = int(row % Hq);
-    const int64_t bt = row / Hq;
-    delta[(bt / T * Hq + h) * T + bt % T] = acc;
-  }
-}
-
 // ================================================================ backward: dQ
 
 // NW warps x 16 query rows; key tiles of BN double-buffered. Shared rows: buffer c holds K at
-// [2BN c, 2BN c + BN) and V after it; buffer 1 first holds Q and dO, which move to registers.
-// Then the segment ids (`first`) of the Q rows [BM] and of each buffer's keys [2][BN].
+// [2BN c, 2BN c + BN) and V after it; buffer 1 first holds Q and dO, which move to registers;
+// O [4BN, 4BN + BM). Then the segment ids (`first`) of the Q rows [BM] and of each buffer's
+// keys [2][BN], and the rows' delta [BM] (computed here: a separate pass read O and dO again).
 // Long on purpose: one tile's loads, products, softmax and stores share dozens of register
 // arrays (the accumulators), which helpers would have to pass by reference through every stage.
 template <int D, int NW, int BN>
@@ -52,8 +22,10 @@ __device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* sme
   const uint32_t s0 = smem_u32(smem);
   auto sK = [&](int c) { return s0 + uint32_t(c * 2 * BN * RB); };
   auto sV = [&](int c) { return sK(c) + uint32_t(BN * RB); };
-  int* sFq = reinterpret_cast<int*>(smem + 4 * BN * RB);
+  const uint32_t sO = s0 + uint32_t(4 * BN * RB);
+  int* sFq = reinterpret_cast<int*>(smem + (4 * BN + BM) * RB);
   int* sFk = sFq + BM;
+  float* sDl = reinterpret_cast<float*>(sFk + 2 * BN);
 
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   // T is the layout's stride; E bounds the rows and keys that exist for this work.
@@ -66,6 +38,7 @@ __device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* sme
   const int64_t qoff = (int64_t(b) * T * p.Hq + h) * D, koff = (int64_t(b) * T * p.Hk + hk) * D;
   load_tile<D, BM, NT>(sK(1), p.q + qoff, qstride, i0, E, tid);
   load_tile<D, BM, NT>(sV(1), p.dout + qoff, qstride, i0, E, tid);
+  load_tile<D, BM, NT>(sO, p.o + qoff, qstride, i0, E, tid);
   load_tile<D, BN, NT>(sK(0), p.k + koff, kstride, jb, E, tid);
   load_tile<D, BN, NT>(sV(0), p.v + koff, kstride, jb, E, tid);
   if (qs.first) {
@@ -77,18 +50,40 @@ __device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* sme
   const int wr0 = i0 + w * 16;
   int lo_w, hi_w;
   qs.warp_range(wr0, E, lo_w, hi_w);
+  cp_wait<0>();
+  __syncthreads();
+  {  // delta = rowsum(dO * O) in fp32: two threads a row, every other 16-byte chunk each
+    static_assert(NT == 2 * BM, "two threads per row");
+    const int r = tid >> 1;
+    const unsigned char* drow = smem + 3 * BN * RB;  // dO, in buffer 1's V rows
+    const unsigned char* orow = smem + 4 * BN * RB;
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = tid & 1; c < D / 8; c += 2) {
+      const uint4 a = *reinterpret_cast<const uint4*>(drow + Tile<D>::off(r, c));
+      const uint4 o = *reinterpret_cast<const uint4*>(orow + Tile<D>::off(r, c));
+      const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+      const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float2 fa = __bfloat1622float2(a2[x]), fo = __bfloat1622float2(o2[x]);
+        acc = fmaf(fa.x, fo.x, fmaf(fa.y, fo.y, acc));
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if ((tid & 1) == 0) {
+      sDl[r] = acc;
+      if (i0 + r < E) p.delta[(int64_t(b) * p.Hq + h) * T + i0 + r] = acc;
+    }
+  }
+  __syncthreads();
   float lse2[2], dl[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = wr0 + g + 8 * r;
-    const bool ok = row < E;
-    const int64_t ri = (int64_t(b) * p.Hq + h) * T + row;
-    lse2[r] = ok ? p.lse_in[ri] * kLog2e : 0.0f;
-    dl[r] = ok ? p.delta[ri] : 0.0f;
+    lse2[r] = row < E ? p.lse_in[(int64_t(b) * p.Hq + h) * T + row] * kLog2e : 0.0f;
+    dl[r] = sDl[w * 16 + g + 8 * r];
   }
-
-  cp_wait<0>();
-  __syncthreads();
   uint32_t qf[KS][4], df[KS][4];
   {
     const Lanes<D> la(w * 16 + (lane & 15), lane >> 4);
@@ -192,15 +187,20 @@ __device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* sme
   }
 }
 
-// Grid (B * Hq, Y), as the forward's.
+// Grid (B * Hq, Y), as the forward's: block y takes query tile Y-1-y.
 template <int D, int NW, int BN>
 __global__ void __launch_bounds__(NW * 32) flash_bwd_dq_kernel(const FlashParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq;
-  if (!p.dq_tiles) {
-    dq_tile<D, NW, BN>(p, smem, b, h, plain_work(p.T, 16 * NW, gridDim.y - 1 - blockIdx.y));
-    return;
-  }
+  dq_tile<D, NW, BN>(p, smem, b, h, plain_work(p.T, 16 * NW, gridDim.y - 1 - blockIdx.y));
+}
+
+// Packed rows: block y takes the listed tiles y, y + Y, ... (a kernel of its own, as the
+// forward's: the loop in one kernel with the plain path made the d128 tile spill on sm_90).
+template <int D, int NW, int BN>
+__global__ void __launch_bounds__(NW * 32) flash_bwd_dq_listed_kernel(const FlashParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / p.Hq, h = blockIdx.x % p.Hq;
   const int4* tiles = p.dq_tiles + int64_t(b) * p.bwd_cap;
   for (int it = blockIdx.y; it < p.dq_count[b]; it += gridDim.y) {
     dq_tile<D, NW, BN>(p, smem, b, h, listed_work(tiles, it));
@@ -399,23 +399,19 @@ template <int D>
 cudaError_t bwd_d(const FlashParams& p, cudaStream_t s) {
   using Q = DqCfg<D>;
   using K = DkvCfg<D>;
-  constexpr int C = D / 8, RPW = 32 % C == 0 ? 32 / C : 1;
-  const int64_t rows = int64_t(p.B) * p.T * p.Hq, warps = (rows + RPW - 1) / RPW;
-  delta_kernel<D><<<unsigned((warps + 7) / 8), 256, 0, s>>>(p.dout, p.o, p.delta, rows, p.T, p.Hq);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  auto kq = flash_bwd_dq_kernel<D, Q::NW, Q::BN>;
+  auto kq = p.dq_tiles ? flash_bwd_dq_listed_kernel<D, Q::NW, Q::BN>
+                       : flash_bwd_dq_kernel<D, Q::NW, Q::BN>;
   auto kkv = flash_bwd_dkdv_kernel<D, K::NW, K::BM>;
-  e = allow_smem(kq, Q::smem);
+  cudaError_t e = allow_smem(kq, Q::smem);
   if (e == cudaSuccess) e = allow_smem(kkv, K::smem);
   if (e != cudaSuccess) return e;
-  // dK/dV first: its blocks are the longest (key tile 0 sees every query), so start them early.
+  // dQ first: it computes every row's delta, which dK/dV reads.
   const int kv_tiles = (p.T + K::BN - 1) / K::BN, q_tiles = (p.T + Q::BM - 1) / Q::BM;
-  dim3 gkv(unsigned(p.B * p.Hk), unsigned(p.kv_tiles ? 2 * kv_tiles : kv_tiles));
-  kkv<<<gkv, K::NW * 32, K::smem, s>>>(p);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
   dim3 gq(unsigned(p.B * p.Hq), unsigned(p.dq_tiles ? 2 * q_tiles : q_tiles));
   kq<<<gq, Q::NW * 32, Q::smem, s>>>(p);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  dim3 gkv(unsigned(p.B * p.Hk), unsigned(p.kv_tiles ? 2 * kv_tiles : kv_tiles));
+  kkv<<<gkv, K::NW * 32, K::smem, s>>>(p);
   return cudaGetLastError();
 }
 

@@ -22,9 +22,10 @@
 //             owns two blocks of 16 full query rows, one from each end of the tile (balanced on
 //             the diagonal), so row max / sum need only a quad shuffle. K/V tiles
 //             double-buffered: tile n+1 loads under tile n's math.
-//  delta      rowsum(dout * out), fp32, into the workspace.
 //  bwd_dq     one block per (b, query head, 16*NW query rows), key tiles double-buffered:
-//             S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. Q and dO live in registers.
+//             delta = rowsum(dO * O) first (fp32, also written to the workspace for dK/dV, which
+//             runs after), then S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. Q and
+//             dO live in registers.
 //  bwd_dkdv   one block per (b, kv head, 16*NW keys); each warp owns 16 keys ("keys as rows"), so
 //             P^T and dS^T come out of the MMA already in the A-operand layout of dV += P^T dO and
 //             dK += dS^T Q: nothing goes through shared memory but Q, dO, K, V. Loops over every
@@ -399,11 +400,12 @@ struct FwdCfg {
   static constexpr size_t smem =
       size_t(BM + 4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN) * sizeof(int);
 };
-// dQ: 4 warps x 16 rows, 64-key tiles double-buffered.
+// dQ: 4 warps x 16 rows, 64-key tiles double-buffered; the O rows for delta.
 template <int D>
 struct DqCfg {
   static constexpr int NW = 4, BN = 64, BM = 16 * NW;
-  static constexpr size_t smem = size_t(4 * BN) * Tile<D>::kRowBytes + (BM + 2 * BN) * sizeof(int);
+  static constexpr size_t smem =
+      size_t(4 * BN + BM) * Tile<D>::kRowBytes + (BM + 2 * BN) * sizeof(int) + BM * sizeof(float);
 };
 // dK/dV: 4 warps x 16 keys, 64-query tiles double-buffered.
 template <int D>

@@ -1,8 +1,9 @@
 // The specialised GPU op tests: what the generic harness (tests/op_cases.h, run by
 // op_backend_test.cpp) cannot check by comparing values with the CPU oracle: unaligned views,
 // the bias epilogue's fallbacks, bitwise repeatability and casts, error reports, forced attention
-// implementations, dropout's mask, AdamW state over steps and the multi-tensor lists. Results
-// are compared by normalised error ||gpu - cpu|| / ||cpu||.
+// implementations (op_harness_attention_test.cpp), dropout's mask, AdamW state over steps and the
+// multi-tensor lists (op_harness_adamw_test.cpp). Results are compared by normalised error
+// ||gpu - cpu|| / ||cpu||.
 //
 // BF16 variants round the inputs to bf16 first and give the CPU the same rounded values, so the
 // comparison measures the kernel (fp32 accumulation, one rounding of the output), not the inputs.
@@ -17,76 +18,21 @@
 #include <vector>
 
 #include "../op_cases.h"
+#include "op_harness_test_util.h"
 #include "rig/core/tensor.h"
-#include "rig/ops/adamw8bit.h"
 #include "rig/ops/ops.h"
 #ifdef RIG_WITH_CUDA
 #include "rig/ops/cuda/cuda_ops.h"
-#include "rig/ops/cuda/sdpa_cudnn.h"
 #endif
 
 namespace rig {
 namespace {
 
+using namespace test::op_harness;
 // The generic harness's input makers.
 using test::ints;
 using test::randn;
 using test::rope_table;
-using test::segments;
-
-#define RIG_REQUIRE_GPU()                                                                    \
-  do {                                                                                       \
-    if (!rig::cuda_available())                                                              \
-      GTEST_SKIP() << "no CUDA GPU: the op harness compares the CUDA backend with the CPU " \
-                      "and needs a visible GPU in a -DRIG_CUDA=ON build";                    \
-  } while (0)
-
-const DType kDtypes[] = {DType::F32, DType::BF16};
-
-double tol(DType dt) { return dt == DType::F32 ? 1e-5 : 2e-2; }
-const char* name(DType dt) { return dt == DType::F32 ? "F32" : "BF16"; }
-
-Tensor rand_ids(int64_t n, int64_t hi, std::mt19937& g) {
-  std::uniform_int_distribution<int64_t> u(0, hi - 1);
-  std::vector<int64_t> v{};
-  v.resize(size_t(n));
-  for (auto& x : v) x = u(g);
-  return ints(v, {n});
-}
-
-// A CPU float32 copy holding exactly the values a `dt` tensor can hold.
-Tensor rounded(const Tensor& t, DType dt) {
-  return dt == DType::F32 ? t.clone() : t.to_dtype(dt).to_dtype(DType::F32);
-}
-// A device copy of a CPU tensor (float tensors converted to dt, integer tensors as they are).
-Tensor gpu(const Tensor& t, DType dt = DType::F32) {
-  if (t.dtype() != DType::F32) return t.to(Device::cuda(0));
-  return t.to_dtype(dt).to(Device::cuda(0));
-}
-// A CPU float32 copy of a device tensor.
-Tensor host(const Tensor& t) {
-  Tensor c = t.to(Device::cpu());
-  return c.dtype() == DType::F32 ? c : c.to_dtype(DType::F32);
-}
-
-double nerr(const Tensor& a, const Tensor& ref) {
-  EXPECT_EQ(a.shape(), ref.shape());
-  const float *pa = a.f32(), *pr = ref.f32();
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double d = double(pa[i]) - double(pr[i]);
-    num += d * d;
-    den += double(pr[i]) * pr[i];
-  }
-  if (!std::isfinite(num)) return INFINITY;
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
-
-#define EXPECT_CLOSE(gpu_f32, cpu_f32, dt, what)                                           \
-  do {                                                                                     \
-    const double e_ = nerr(gpu_f32, cpu_f32);                                              \
-    EXPECT_LE(e_, tol(dt)) << (what) << " [" << name(dt) << "] normalised error " << e_; \
-  } while (0)
 
 // ---- self-test: the comparison must catch a wrong kernel ------------------------------------
 
@@ -270,188 +216,6 @@ TEST(OpHarness, RopeRoundTripAndBadPositions) {
   }
 }
 
-// ---- attention -----------------------------------------------------------------------------
-
-struct AttnCase {
-  int64_t B, T, Hq, Hk, D;
-  bool packed;
-};
-
-#ifdef RIG_WITH_CUDA
-// Runs forward and backward of `impl` (auto, cudnn, flash, reference) on the GPU against the CPU
-// oracle. BF16 tolerance 2e-2 (normalised): the kernels round P and dS to bf16 before their
-// products (relative error 2^-9 per term) and the outputs once more; float32 lse 1e-5.
-Tensor nans(const Shape& s) { return Tensor::from_f32(std::vector<float>(size_t(shape_numel(s)), NAN), s); }
-
-struct ImplScope {
-  explicit ImplScope(const std::string& impl) : prev(ops::cuda::attention_impl()) {
-    ops::cuda::set_attention_impl(impl);
-  }
-  ~ImplScope() { ops::cuda::set_attention_impl(prev); }
-  std::string prev;
-};
-
-double rms(const Tensor& t) {
-  double s = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) s += double(t.f32()[i]) * t.f32()[i];
-  return std::sqrt(s / double(std::max<int64_t>(t.numel(), 1)));
-}
-
-// A gradient that is exactly zero in exact arithmetic (dq and dk when every query sees one key:
-// p = 1, so dS = dout·v - dout·out = 0) is rounding noise on both sides, and a relative error
-// means nothing there: then the GPU's must be noise too, RMS under 1e-3 (inputs are O(1)).
-void expect_grad_close(const Tensor& got, const Tensor& ref, DType dt, const std::string& what) {
-  if (rms(ref) < 1e-5) {
-    EXPECT_LE(rms(got), 1e-3) << what << ": the exact gradient is zero";
-    return;
-  }
-  EXPECT_CLOSE(got, ref, dt, what);
-}
-
-void check_attention(const std::string& impl, const AttnCase& c, DType dt, std::mt19937& g,
-                     bool backward = true) {
-  ImplScope scope(impl);
-  const std::string what = fmt::format("attention[{}] B={} T={} Hq={} Hk={} D={}{}", impl, c.B, c.T,
-                                       c.Hq, c.Hk, c.D, c.packed ? " packed" : "");
-  Tensor q = rounded(randn({c.B, c.T, c.Hq, c.D}, g), dt);
-  Tensor k = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
-  Tensor v = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
-  Tensor seg = c.packed ? segments(c.B, c.T) : Tensor();
-  Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32);
-  ops::attention_forward(q, k, v, seg, out, lse);
-
-  Tensor dq_ = gpu(q, dt), dk_ = gpu(k, dt), dv_ = gpu(v, dt);
-  Tensor dseg = c.packed ? gpu(seg) : Tensor();
-  // Poisoned outputs: an element the kernel does not write fails the comparison.
-  Tensor dout_ = gpu(nans(q.shape()), dt);
-  Tensor dlse = gpu(nans({c.B, c.Hq, c.T}));
-  ops::attention_forward(dq_, dk_, dv_, dseg, dout_, dlse);
-  if (impl != "auto") EXPECT_EQ(ops::cuda::last_attention_impl(false), impl) << what;
-  EXPECT_CLOSE(host(dout_), out, dt, what + " out");
-  EXPECT_CLOSE(host(dlse), lse, DType::F32, what + " lse");
-  if (!backward) return;
-
-  // Backward from the GPU's own saved out/lse, given to both backends.
-  Tensor go = rounded(randn(q.shape(), g), dt);
-  Tensor o_saved = host(dout_), l_saved = host(dlse);
-  Tensor gq = Tensor::empty(q.shape(), DType::F32), gk = Tensor::empty(k.shape(), DType::F32),
-         gv = Tensor::empty(k.shape(), DType::F32);
-  ops::attention_backward(go, q, k, v, seg, o_saved, l_saved, gq, gk, gv);
-  Tensor dgq = gpu(nans(q.shape()), dt);
-  Tensor dgk = gpu(nans(k.shape()), dt);
-  Tensor dgv = gpu(nans(k.shape()), dt);
-  ops::attention_backward(gpu(go, dt), dq_, dk_, dv_, dseg, dout_, dlse, dgq, dgk, dgv);
-  if (impl != "auto") EXPECT_EQ(ops::cuda::last_attention_impl(true), impl) << what;
-  expect_grad_close(host(dgq), gq, dt, what + " dq");
-  expect_grad_close(host(dgk), gk, dt, what + " dk");
-  expect_grad_close(host(dgv), gv, dt, what + " dv");
-}
-
-// The fp32 reference kernel forced on bf16 inputs (any head_dim up to 256); float32, where auto
-// picks it, is the generic harness's.
-TEST(OpHarness, AttentionReferenceBf16) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(8);
-  const AttnCase cases[] = {
-      {2, 111, 6, 2, 64, true}, {1, 111, 5, 1, 80, false}, {1, 300, 4, 4, 128, true},
-      {3, 33, 2, 1, 32, false}, {1, 70, 3, 3, 96, true},  {1, 40, 2, 2, 256, false},
-  };
-  for (const auto& c : cases) check_attention("reference", c, DType::BF16, g);
-}
-
-// Edge shapes for the tensor-core paths: lengths around the tiles (1, 63, 64, 65, 127, 4097),
-// GQA groups 1/4/8, batch > 1.
-const AttnCase kEdgeCases[] = {
-    {2, 63, 4, 4, 64, false},  {1, 64, 8, 1, 128, false}, {3, 65, 8, 2, 64, false},
-    {2, 127, 4, 1, 128, false}, {1, 200, 8, 8, 128, false}, {1, 4097, 4, 1, 64, false},
-};
-
-TEST(OpHarness, AttentionCudnn) {
-  RIG_REQUIRE_GPU();
-  if (ops::cuda::sdpa_cudnn::runtime_version() < 90000)
-    GTEST_SKIP() << "cuDNN 9 is not available (runtime version "
-                 << ops::cuda::sdpa_cudnn::runtime_version() << ")";
-  std::mt19937 g(10);
-  for (const auto& c : kEdgeCases) check_attention("cudnn", c, DType::BF16, g);
-  // Sequence length 1: forward only (cuDNN has no backward for it; auto falls back).
-  check_attention("cudnn", {2, 1, 4, 2, 64, false}, DType::BF16, g, false);
-  check_attention("auto", {2, 1, 4, 2, 64, false}, DType::BF16, g);
-  EXPECT_NE(ops::cuda::last_attention_impl(true), "cudnn");
-  // Head dims 80 and 96 and the tiny models' 16.
-  check_attention("cudnn", {2, 96, 4, 2, 80, false}, DType::BF16, g);
-  check_attention("cudnn", {1, 130, 6, 3, 96, false}, DType::BF16, g);
-  check_attention("cudnn", {2, 50, 4, 2, 16, false}, DType::BF16, g);
-}
-
-TEST(OpHarness, AttentionFlash) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(11);
-  check_attention("flash", {2, 1, 4, 2, 64, false}, DType::BF16, g);
-  for (const auto& c : kEdgeCases) check_attention("flash", c, DType::BF16, g);
-  // Packed segments (lengths 1 to 64, crossing tile boundaries) and every head dim.
-  const AttnCase packed[] = {
-      {2, 111, 6, 2, 64, true}, {1, 300, 4, 4, 128, true}, {3, 97, 8, 1, 80, true},
-      {2, 129, 4, 2, 96, true}, {1, 1000, 8, 2, 128, true},
-  };
-  for (const auto& c : packed) check_attention("flash", c, DType::BF16, g);
-}
-
-// What "auto" picks: cuDNN for plain causal bf16, the flash kernel for packed segments, the
-// reference kernel for float32.
-TEST(OpHarness, AttentionAutoPicksTheFastestThatApplies) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(12);
-  check_attention("auto", {1, 128, 4, 2, 64, true}, DType::BF16, g);
-  EXPECT_EQ(ops::cuda::last_attention_impl(false), "flash");
-  check_attention("auto", {1, 128, 4, 2, 64, false}, DType::F32, g);
-  EXPECT_EQ(ops::cuda::last_attention_impl(false), "reference");
-  check_attention("auto", {1, 128, 4, 2, 64, false}, DType::BF16, g);
-  if (ops::cuda::sdpa_cudnn::runtime_version() >= 90000)
-    EXPECT_EQ(ops::cuda::last_attention_impl(false), "cudnn");
-  ImplScope scope("cudnn");
-  Tensor q = Tensor::zeros({1, 8, 2, 64}, DType::BF16, Device::cuda(0));
-  Tensor o = Tensor::zeros({1, 8, 2, 64}, DType::BF16, Device::cuda(0));
-  Tensor l = Tensor::zeros({1, 2, 8}, DType::F32, Device::cuda(0));
-  Tensor seg = Tensor::zeros({1, 8}, DType::I64, Device::cuda(0));
-  EXPECT_THROW(ops::attention_forward(q, q, q, seg, o, l), Error);  // forced cuDNN, packed
-}
-
-// Backward twice gives bit-identical gradients: the flash and reference kernels always, cuDNN
-// in deterministic mode.
-TEST(OpHarness, AttentionBackwardIsDeterministic) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(9);
-  const Shape qs{2, 1000, 8, 64}, ks{2, 1000, 2, 64};
-  Tensor q = gpu(randn(qs, g), DType::BF16), k = gpu(randn(ks, g), DType::BF16),
-         v = gpu(randn(ks, g), DType::BF16), go = gpu(randn(qs, g), DType::BF16);
-  const Tensor seg = gpu(segments(2, 1000));
-  ops::set_deterministic(true);
-  for (std::string impl : {"reference", "flash", "cudnn"}) {
-    if (impl == "cudnn" && ops::cuda::sdpa_cudnn::runtime_version() < 90000) continue;
-    for (bool packed : {false, true}) {
-      if (packed && impl == "cudnn") continue;
-      ImplScope scope(impl);
-      const Tensor s = packed ? seg : Tensor();
-      Tensor out = Tensor::empty(qs, DType::BF16, Device::cuda(0));
-      Tensor lse = Tensor::empty({2, 8, 1000}, DType::F32, Device::cuda(0));
-      ops::attention_forward(q, k, v, s, out, lse);
-      std::vector<Tensor> res;
-      for (int rep = 0; rep < 2; ++rep) {
-        Tensor dq = Tensor::empty(qs, DType::BF16, Device::cuda(0));
-        Tensor dk = Tensor::empty(ks, DType::BF16, Device::cuda(0));
-        Tensor dv = Tensor::empty(ks, DType::BF16, Device::cuda(0));
-        ops::attention_backward(go, q, k, v, s, out, lse, dq, dk, dv);
-        for (Tensor* t : {&dq, &dk, &dv}) res.push_back(host(*t));
-      }
-      for (int i = 0; i < 3; ++i)
-        EXPECT_EQ(nerr(res[size_t(i)], res[size_t(i + 3)]), 0.0) << impl << (packed ? " packed" : "") << " grad " << i;
-    }
-  }
-  ops::set_deterministic(false);
-}
-
-#endif  // RIG_WITH_CUDA
-
 // ---- cross-entropy -------------------------------------------------------------------------
 
 // Out of place is the generic harness's; here: dlogits written over the logits, the loss without
@@ -576,140 +340,6 @@ TEST(OpHarness, Dropout) {
   int64_t same_mask = 0;
   for (int64_t i = 0; i < x.numel(); ++i) same_mask += (hb.f32()[i] == 0.0f) == (o1.f32()[i] == 0.0f);
   EXPECT_EQ(same_mask, x.numel()) << "the mask depends on (seed, index) only, not the dtype";
-}
-
-// ---- AdamW ---------------------------------------------------------------------------------
-
-TEST(OpHarness, AdamW) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(14);
-  const ops::AdamWParams base{0.1f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
-  for (DType pt : kDtypes)
-    for (DType gt : kDtypes) {
-      const Shape s{111, 989};
-      Tensor p = rounded(randn(s, g), pt), p0 = p.clone();
-      Tensor m = Tensor::zeros(s, DType::F32), v = Tensor::zeros(s, DType::F32);
-      Tensor gp = gpu(p, pt), gm = gpu(m), gv = gpu(v);
-      for (int64_t step = 1; step <= 3; ++step) {
-        Tensor grad = rounded(randn(s, g, 0.1f), gt);
-        ops::AdamWParams h = base;
-        h.step = step;
-        ops::adamw_step(p, grad, m, v, h);
-        ops::adamw_step(gp, gpu(grad, gt), gm, gv, h);
-        if (pt == DType::BF16) p = rounded(p, DType::BF16);  // the oracle holds what bf16 can
-      }
-      const std::string what = fmt::format("adamw param {} grad {}", name(pt), name(gt));
-      EXPECT_CLOSE(host(gm), m, DType::F32, what + " m");
-      EXPECT_CLOSE(host(gv), v, DType::F32, what + " v");
-      if (pt == DType::F32) {
-        // Compare the update itself, not the (much larger) parameter.
-        Tensor du = host(gp), cu = p.clone();
-        ops::add_(du, p0, -1.0f);
-        ops::add_(cu, p0, -1.0f);
-        EXPECT_CLOSE(du, cu, DType::F32, what + " update");
-      } else {
-        EXPECT_CLOSE(host(gp), p, DType::BF16, what + " param");
-      }
-    }
-}
-
-// The multi-tensor pass: more slots than one launch takes, chunk edges, every dtype pair, a clip
-// coefficient, per-slot decay and bf16 copies. Against the single-tensor kernel after an in-place
-// scale (bitwise, for float32 gradients), and against the CPU list.
-TEST(OpHarness, AdamWList) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(16);
-  const ops::AdamWParams h{0.05f, 0.9f, 0.95f, 1e-8f, 0.0f, 2};
-  const float coef = 0.37f;
-  for (DType pt : kDtypes)
-    for (DType gt : kDtypes) {
-      std::vector<ops::AdamWSlot> cpu_slots, gpu_slots;
-      std::vector<Tensor> gp_ref, gm_ref, gv_ref;
-      for (int i = 0; i < 45; ++i) {
-        const int64_t n = i == 7 ? 3 * 4096 + 5 : 100 + 37 * i;
-        ops::AdamWSlot c;
-        c.param = rounded(randn({n}, g), pt);
-        c.grad = rounded(randn({n}, g, 0.1f), gt);
-        c.m = randn({n}, g, 0.01f);
-        c.v = randn({n}, g, 0.01f);
-        for (int64_t j = 0; j < n; ++j) c.v.f32()[j] *= c.v.f32()[j];
-        c.weight_decay = i % 3 == 0 ? 0.0f : 0.1f;
-        if (i % 2 == 0) c.copy = Tensor::empty({n}, DType::BF16);
-        ops::AdamWSlot d{
-            gpu(c.param, pt),
-            gpu(c.grad, gt),
-            gpu(c.m),
-            gpu(c.v),
-            c.copy.defined() ? Tensor::empty({n}, DType::BF16, Device::cuda(0)) : Tensor(),
-            c.weight_decay};
-        gp_ref.push_back(gpu(c.param, pt));
-        gm_ref.push_back(gpu(c.m));
-        gv_ref.push_back(gpu(c.v));
-        cpu_slots.push_back(c);
-        gpu_slots.push_back(d);
-      }
-      ops::adamw_step_list(cpu_slots, h, coef);
-      ops::adamw_step_list(gpu_slots, h, coef);
-      const std::string what = fmt::format("adamw list param {} grad {}", name(pt), name(gt));
-      for (size_t i = 0; i < gpu_slots.size(); ++i) {
-        const auto& d = gpu_slots[i];
-        const auto& c = cpu_slots[i];
-        const std::string w = fmt::format("{} slot {}", what, i);
-        EXPECT_CLOSE(host(d.m), c.m, DType::F32, w + " m");
-        EXPECT_CLOSE(host(d.v), c.v, DType::F32, w + " v");
-        EXPECT_CLOSE(host(d.param), c.param, pt, w + " param");
-        if (d.copy.defined()) {
-          Tensor want = Tensor::empty(d.param.shape(), DType::BF16, d.param.device());
-          ops::cast(d.param, want);
-          EXPECT_EQ(ops::hash64({host(d.copy)}), ops::hash64({host(want)})) << w << " copy";
-        }
-        if (gt == DType::F32) {  // the single-tensor kernel on a clipped gradient: the same bits
-          Tensor gg = d.grad.clone();
-          ops::scale_(gg, coef);
-          ops::AdamWParams hi = h;
-          hi.weight_decay = d.weight_decay;
-          ops::adamw_step(gp_ref[i], gg, gm_ref[i], gv_ref[i], hi);
-          EXPECT_EQ(ops::hash64({host(gp_ref[i]), host(gm_ref[i]), host(gv_ref[i])}),
-                    ops::hash64({host(d.param), host(d.m), host(d.v)}))
-              << w;
-        }
-      }
-    }
-}
-
-// 8-bit AdamW: the CUDA kernel against the CPU oracle over three steps from a fresh state (F32
-// parameters and gradients; a partial last block). The codes may differ where a value sits on a
-// midpoint up to float rounding; everything else matches.
-TEST(OpHarness, AdamW8bit) {
-  RIG_REQUIRE_GPU();
-  std::mt19937 g(15);
-  const int64_t n = 256 * 37 + 100, blocks = 38;
-  Tensor p = randn({n}, g), p0 = p.clone();
-  Tensor mq = Tensor::zeros({n}, DType::U8), vq = Tensor::zeros({n}, DType::U8);
-  Tensor ma = Tensor::zeros({blocks}, DType::F32), va = Tensor::zeros({blocks}, DType::F32);
-  Tensor gp = gpu(p), gmq = gpu(mq), gvq = gpu(vq), gma = gpu(ma), gva = gpu(va);
-  for (int64_t step = 1; step <= 3; ++step) {
-    Tensor grad = randn({n}, g, 0.1f);
-    const ops::AdamWParams h{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step};
-    ops::adamw8bit_step(p, grad, mq, ma, vq, va, h);
-    ops::adamw8bit_step(gp, gpu(grad), gmq, gma, gvq, gva, h);
-  }
-  Tensor du = host(gp), cu = p.clone();
-  ops::add_(du, p0, -1.0f);
-  ops::add_(cu, p0, -1.0f);
-  EXPECT_CLOSE(du, cu, DType::F32, "adamw8bit update");
-  EXPECT_CLOSE(host(gma), ma, DType::F32, "adamw8bit m absmax");
-  EXPECT_CLOSE(host(gva), va, DType::F32, "adamw8bit v absmax");
-  for (auto [gq, cq, what] : {std::tuple{&gmq, &mq, "m"}, {&gvq, &vq, "v"}}) {
-    Tensor hq = gq->to(Device::cpu());
-    int64_t differ = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int d = int(hq.data<uint8_t>()[i]) - int(cq->data<uint8_t>()[i]);
-      EXPECT_LE(std::abs(d), 1) << what << " code " << i;
-      differ += d != 0;
-    }
-    EXPECT_LE(differ, n / 1000) << what << " codes that differ";
-  }
 }
 
 }  // namespace

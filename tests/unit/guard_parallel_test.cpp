@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "guard_test_util.h"
+#include "parallel_test_util.h"
 #include "rig/dist/communicator.h"
 #include "rig/dist/store.h"
 #include "rig/io/atomic_file.h"
@@ -49,33 +50,7 @@ TrainConfig tiny(const std::string& out, const std::string& strategy, int world,
   return load_train_config(kSrc + "/tests/data/configs/tiny-llama3-lora.yaml", o);
 }
 
-std::vector<TrainResult> train_ranks(int world, const std::function<TrainConfig(int)>& cfg) {
-  dist::StoreServer server(0);
-  std::vector<std::thread> ts;
-  std::vector<TrainResult> results(static_cast<size_t>(world));
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r)
-    ts.emplace_back([&, r] {
-      try {
-        auto store =
-            std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
-        dist::CommOptions o;
-        o.timeout = 30s;
-        auto comm = dist::make_gloo(store, r, world, o);
-        TrainHooks h;
-        h.quiet = true;
-        h.comm = comm.get();
-        results[size_t(r)] = train(cfg(r), h);
-      } catch (const std::exception& e) {
-        errors[size_t(r)] = e.what();
-      }
-    });
-  for (auto& t : ts) t.join();
-  for (int r = 0; r < world; ++r)
-    if (!errors[size_t(r)].empty())
-      throw std::runtime_error(fmt::format("rank {}: {}", r, errors[size_t(r)]));
-  return results;
-}
+using rig::test::parallel::train_ranks;
 
 void expect_same_adapters(const std::string& a, const std::string& b, int64_t steps) {
   expect_same_tensors(a + "/final/adapter_model.safetensors",

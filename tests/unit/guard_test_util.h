@@ -20,19 +20,6 @@ namespace rig::test::guard {
 
 inline const std::string kSrc = RIG_SOURCE_DIR;
 
-// The first 400 samples of the demo task: enough for a few steps, quick to tokenize.
-inline std::string small_data() {
-  static const std::string path = [] {
-    std::string dir = test::temp_dir("guard_data");
-    std::ifstream in(kSrc + "/data/demo/reverse.jsonl");
-    std::ofstream out(dir + "/reverse400.jsonl");
-    std::string line;
-    for (int i = 0; i < 400 && std::getline(in, line); ++i) out << line << "\n";
-    return dir + "/reverse400.jsonl";
-  }();
-  return path;
-}
-
 inline std::vector<nlohmann::json> rows(const std::string& run) {
   return read_metrics(run + "/metrics.jsonl").rows;
 }

@@ -26,19 +26,6 @@ namespace rig::test::parallel {
 
 inline const std::string kSrc = RIG_SOURCE_DIR;
 
-// The first 400 samples of the demo task: enough for a few steps, quick to tokenize.
-inline std::string small_data() {
-  static const std::string path = [] {
-    std::string dir = test::temp_dir("parallel_data");
-    std::ifstream in(kSrc + "/data/demo/reverse.jsonl");
-    std::ofstream out(dir + "/reverse400.jsonl");
-    std::string line;
-    for (int i = 0; i < 400 && std::getline(in, line); ++i) out << line << "\n";
-    return dir + "/reverse400.jsonl";
-  }();
-  return path;
-}
-
 // The tiny pretrained llama3 fixture; `rows` rows per step in all, split as micro x accum x world.
 // `more` overrides go last.
 inline TrainConfig tiny(const std::string& out, const std::string& method,

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -20,6 +21,19 @@ inline std::string temp_dir(const std::string& name) {
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
+}
+
+// The first 400 samples of the demo task: enough for a few training steps, quick to tokenize.
+inline std::string small_data() {
+  static const std::string path = [] {
+    std::string dir = temp_dir("small_data");
+    std::ifstream in(std::string(RIG_SOURCE_DIR) + "/data/demo/reverse.jsonl");
+    std::ofstream out(dir + "/reverse400.jsonl");
+    std::string line;
+    for (int i = 0; i < 400 && std::getline(in, line); ++i) out << line << "\n";
+    return dir + "/reverse400.jsonl";
+  }();
+  return path;
 }
 
 // CI sets CI=true (.ci/run exports it): there a test whose asset is missing fails.

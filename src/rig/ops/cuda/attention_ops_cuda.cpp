@@ -2,9 +2,7 @@
 // kernel or the fp32 reference kernel, whichever applies first (or the one RIG_ATTENTION forces).
 #include <algorithm>
 #include <cstdlib>
-#include <initializer_list>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "rig/ops/cuda/context.h"
@@ -17,19 +15,8 @@ namespace rig::ops::cuda {
 // ---- attention ----------------------------------------------------------------------------
 
 namespace {
-using Named = std::initializer_list<std::pair<const Tensor*, const char*>>;
-
-// An attention call's tensors: q, k, v [B,T,H,D]; seg I64 [B,T] when given; lse F32 [B,Hq,T];
-// `like_q` (k, v, outputs, gradients) in q's dtype; all on q's device.
 k::AttnDims attn_dims(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
-                      const Tensor& lse, Named like_q, const char* op) {
-  const int dev = q.device().index;
-  for (auto [t, n] : like_q) check_on(*t, dev, op, n);
-  check_on(lse, dev, op, "lse");
-  if (seg.defined()) check_on(seg, dev, op, "seg");
-  for (auto [t, n] : like_q)
-    RIG_CHECK(t->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(t->dtype()),
-              dtype_name(q.dtype()));
+                      const char* op) {
   RIG_CHECK(q.ndim() == 4 && k.ndim() == 4, "{}: expects [B,T,H,D] tensors, got q {} k {}", op,
             shape_str(q.shape()), shape_str(k.shape()));
   same_shape(k, v, op, "k", "v");
@@ -46,9 +33,6 @@ k::AttnDims attn_dims(const Tensor& q, const Tensor& k, const Tensor& v, const T
     RIG_CHECK(seg.numel() == q.dim(0) * q.dim(1), "{}: seg {} for q {}", op,
               shape_str(seg.shape()), shape_str(q.shape()));
   }
-  check_dtype(lse, DType::F32, op, "lse");
-  RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
-            shape_str(lse.shape()), shape_str(q.shape()));
   return k::AttnDims{int(q.dim(0)), int(q.dim(1)), int(q.dim(2)), int(k.dim(2)), int(q.dim(3))};
 }
 }  // namespace
@@ -105,30 +89,6 @@ Tensor flash_workspace(size_t bytes, int dev) {
 
 }  // namespace
 
-namespace {
-// Runs the first candidate implementation that takes the call: cuDNN may decline (the next one
-// runs, unless cuDNN was forced). `slot`: 0 forward, 1 backward, for last_attention_impl.
-template <typename Cudnn, typename Flash, typename Reference>
-void run_first(const Tensor& q, const Tensor& seg, const k::AttnDims& d, const char* op, int slot,
-               Cudnn&& cudnn, Flash&& flash, Reference&& reference) {
-  std::string why;
-  for (Impl impl : candidates(q, seg, d, op)) {
-    if (impl == Impl::Cudnn) {
-      if (!cudnn(&why)) {
-        RIG_CHECK(impl_setting() != "cudnn", "{}: cuDNN declined: {}", op, why);
-        continue;
-      }
-    } else if (impl == Impl::Flash) {
-      flash();
-    } else {
-      reference();
-    }
-    g_last_impl[slot] = impl_name(impl);
-    return;
-  }
-}
-}  // namespace
-
 void set_attention_impl(const std::string& impl) { impl_setting() = impl; }
 const std::string& attention_impl() { return impl_setting(); }
 const std::string& last_attention_impl(bool backward) { return g_last_impl[backward ? 1 : 0]; }
@@ -141,25 +101,40 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        Tensor& out, Tensor& lse) {
   const char* op = "attention_forward";
   const int dev = q.device().index;
-  const k::AttnDims d = attn_dims(q, k, v, seg, lse, {{&k, "k"}, {&v, "v"}, {&out, "out"}}, op);
+  for (auto [t, n] : {std::pair{&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}})
+    check_on(*t, dev, op, n);
+  if (seg.defined()) check_on(seg, dev, op, "seg");
+  const k::AttnDims d = attn_dims(q, k, v, seg, op);
   same_shape(q, out, op, "q", "out");
+  check_dtype(lse, DType::F32, op, "lse");
+  RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
+            shape_str(lse.shape()), shape_str(q.shape()));
   const k::T t = ktype(q, op, "q");
+  for (auto [x, n] : {std::pair{&k, "k"}, {&v, "v"}, {&out, "out"}})
+    RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
+              dtype_name(q.dtype()));
   DeviceGuard g(dev);
   const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
-  run_first(
-      q, seg, d, op, 0,
-      [&](std::string* why) { return sdpa_cudnn::forward(q, k, v, out, lse, why); },
-      [&] {
-        Tensor ws = flash_workspace(k::flash_fwd_workspace(d, segp != nullptr), dev);
-        check_status(k::flash_fwd(q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(), d,
-                                  ws.raw(), stream_for(dev)),
-                     op);
-      },
-      [&] {
-        check_status(k::attention_fwd(t, q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(), d,
-                                      stream_for(dev)),
-                     op);
-      });
+  std::string why;
+  for (Impl impl : candidates(q, seg, d, op)) {
+    if (impl == Impl::Cudnn) {
+      if (!sdpa_cudnn::forward(q, k, v, out, lse, &why)) {
+        RIG_CHECK(impl_setting() != "cudnn", "{}: cuDNN declined: {}", op, why);
+        continue;
+      }
+    } else if (impl == Impl::Flash) {
+      Tensor ws = flash_workspace(k::flash_fwd_workspace(d, segp != nullptr), dev);
+      check_status(k::flash_fwd(q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(), d, ws.raw(),
+                                stream_for(dev)),
+                   op);
+    } else {
+      check_status(k::attention_fwd(t, q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(), d,
+                                    stream_for(dev)),
+                   op);
+    }
+    g_last_impl[0] = impl_name(impl);
+    return;
+  }
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -167,36 +142,48 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         Tensor& dk, Tensor& dv) {
   const char* op = "attention_backward";
   const int dev = q.device().index;
-  const k::AttnDims d = attn_dims(
-      q, k, v, seg, lse,
-      {{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}},
-      op);
+  for (auto [t, n] : {std::pair{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"},
+                      {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
+    check_on(*t, dev, op, n);
+  if (seg.defined()) check_on(seg, dev, op, "seg");
+  const k::AttnDims d = attn_dims(q, k, v, seg, op);
   same_shape(q, out, op, "q", "out");
   same_shape(q, dout, op, "q", "dout");
   same_shape(q, dq, op, "q", "dq");
   same_shape(k, dk, op, "k", "dk");
   same_shape(k, dv, op, "k", "dv");
+  check_dtype(lse, DType::F32, op, "lse");
+  RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
+            shape_str(lse.shape()), shape_str(q.shape()));
   const k::T t = ktype(q, op, "q");
+  for (auto [x, n] : {std::pair{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dq, "dq"},
+                      {&dk, "dk"}, {&dv, "dv"}})
+    RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
+              dtype_name(q.dtype()));
   DeviceGuard g(dev);
   const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
-  run_first(
-      q, seg, d, op, 1,
-      [&](std::string* why) {
-        return sdpa_cudnn::backward(dout, q, k, v, out, lse, dq, dk, dv, g_deterministic, why);
-      },
-      [&] {
-        Tensor ws = flash_workspace(k::flash_bwd_workspace(d, segp != nullptr), dev);
-        check_status(k::flash_bwd(dout.raw(), q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(),
-                                  dq.raw(), dk.raw(), dv.raw(), d, ws.raw(), stream_for(dev)),
-                     op);
-      },
-      [&] {
-        Tensor delta = scratch(lse.shape(), DType::F32, dev, "attention_backward delta");
-        check_status(
-            k::attention_bwd(t, dout.raw(), q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(),
-                             delta.f32(), dq.raw(), dk.raw(), dv.raw(), d, stream_for(dev)),
-            op);
-      });
+  std::string why;
+  for (Impl impl : candidates(q, seg, d, op)) {
+    if (impl == Impl::Cudnn) {
+      if (!sdpa_cudnn::backward(dout, q, k, v, out, lse, dq, dk, dv, g_deterministic, &why)) {
+        RIG_CHECK(impl_setting() != "cudnn", "{}: cuDNN declined: {}", op, why);
+        continue;
+      }
+    } else if (impl == Impl::Flash) {
+      Tensor ws = flash_workspace(k::flash_bwd_workspace(d, segp != nullptr), dev);
+      check_status(k::flash_bwd(dout.raw(), q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(),
+                                dq.raw(), dk.raw(), dv.raw(), d, ws.raw(), stream_for(dev)),
+                   op);
+    } else {
+      Tensor delta = scratch(lse.shape(), DType::F32, dev, "attention_backward delta");
+      check_status(k::attention_bwd(t, dout.raw(), q.raw(), k.raw(), v.raw(), segp, out.raw(),
+                                    lse.f32(), delta.f32(), dq.raw(), dk.raw(), dv.raw(), d,
+                                    stream_for(dev)),
+                   op);
+    }
+    g_last_impl[1] = impl_name(impl);
+    return;
+  }
 }
 
 }  // namespace rig::ops::cuda

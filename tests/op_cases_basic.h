@@ -82,6 +82,7 @@ inline void add_gemm_cases(std::vector<OpCase>& cs) {
 }
 
 inline void add_elementwise_cases(std::vector<OpCase>& cs) {
+  // Long on purpose: a table of cases, one push_back per op and shape.
   for (auto [rows, n] :
        {std::pair<int64_t, int64_t>{111, 1000}, {989, 1000}, {1, 1}, {7, 9}, {3, 1}}) {
     OpCase c;

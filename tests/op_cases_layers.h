@@ -42,6 +42,7 @@ inline Tensor segments(int64_t B, int64_t T) {
 }
 
 inline void add_norm_rope_cases(std::vector<OpCase>& cs) {
+  // Long on purpose: a table of cases, one push_back per op and shape.
   for (auto [rows, h] :
        {std::pair<int64_t, int64_t>{111, 80}, {989, 576}, {7, 4099}, {1, 1}, {3, 7}, {2, 8}}) {
     for (int variant = 0; variant < 3; ++variant) {  // backward; _add with dw; _add without

@@ -22,6 +22,7 @@
 
 using namespace rig;
 using namespace rig::test::guard;
+using rig::test::small_data;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using namespace std::chrono_literals;

@@ -99,6 +99,49 @@ void expect_close_8bit(const RunDiff& d, const std::string& what) {
   EXPECT_LE(d.moved * 500, d.total) << what << ": " << d.moved << " weights moved";
 }
 
+// One rank of the sharded 8-bit run: `steps` steps on test_grad's gradients, sliced to the
+// rank's shards; throws where a gathered weight differs from `want`; returns the rank's bytes
+// of optimizer state.
+size_t sharded_8bit_rank(int r, int world, int port, const std::string& dir,
+                         const OptimizerConfig& oc, int steps,
+                         const std::map<std::string, Tensor>& want) {
+  auto store = std::make_shared<dist::Store>("127.0.0.1", port, r, dist::Millis(30000));
+  dist::CommOptions o;
+  o.timeout = 30s;
+  auto comm = dist::make_gloo(store, r, world, o);
+  auto m = LlamaModel::load(dir);
+  AdamW opt(oc);
+  Sharded sh(*comm, *m, &opt);
+  for (int s = 1; s <= steps; ++s) {
+    size_t k = 0;
+    for (const auto& u : sh.units()) {
+      if (!u.trainable) continue;
+      EXPECT_EQ(u.align, 256) << u.name;
+      const dist::FlatShard fs = u.shard_of(world);
+      const auto offs = u.offsets();
+      const int64_t b = fs.begin(r), e = b + fs.valid(r);
+      Tensor g = Tensor::zeros({fs.shard}, DType::F32, Device::cpu(), "grad");
+      for (size_t j = 0; j < u.params.size(); ++j) {
+        const int64_t n = u.params[j].second, lo = std::max(b, offs[j]),
+                      hi = std::min(e, offs[j] + n);
+        if (lo < hi)
+          g.slice_rows(lo - b, hi - b)
+              .copy_from(test_grad(u.params[j].first, n, s).slice_rows(lo - offs[j], hi - offs[j]));
+      }
+      sh.params()[k++].grad.copy_from(g);
+    }
+    opt.clip_and_step(sh.params(), oc.lr, 0.0);
+  }
+  const size_t held = opt.state_bytes();
+  sh.gather_all();
+  for (const auto& p : m->params()) {
+    const Tensor& w = want.at(p.name);
+    if (p.value.numel() != w.numel() || std::memcmp(p.value.raw(), w.raw(), w.nbytes()) != 0)
+      throw std::runtime_error(p.name + " differs from the 1-rank step");
+  }
+  return held;
+}
+
 }  // namespace
 
 TEST(Parallel, Sharded8BitAdamWStepsEqualOneRankBitForBit) {
@@ -133,43 +176,7 @@ TEST(Parallel, Sharded8BitAdamWStepsEqualOneRankBitForBit) {
       for (int r = 0; r < world; ++r)
         ts.emplace_back([&, r] {
           try {
-            auto store =
-                std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
-            dist::CommOptions o;
-            o.timeout = 30s;
-            auto comm = dist::make_gloo(store, r, world, o);
-            auto m = LlamaModel::load(dir);
-            AdamW opt(oc);
-            Sharded sh(*comm, *m, &opt);
-            for (int s = 1; s <= steps; ++s) {
-              size_t k = 0;
-              for (const auto& u : sh.units()) {
-                if (!u.trainable) continue;
-                EXPECT_EQ(u.align, 256) << u.name;
-                const dist::FlatShard fs = u.shard_of(world);
-                const auto offs = u.offsets();
-                const int64_t b = fs.begin(r), e = b + fs.valid(r);
-                Tensor g = Tensor::zeros({fs.shard}, DType::F32, Device::cpu(), "grad");
-                for (size_t j = 0; j < u.params.size(); ++j) {
-                  const int64_t n = u.params[j].second, lo = std::max(b, offs[j]),
-                                hi = std::min(e, offs[j] + n);
-                  if (lo < hi)
-                    g.slice_rows(lo - b, hi - b)
-                        .copy_from(test_grad(u.params[j].first, n, s)
-                                       .slice_rows(lo - offs[j], hi - offs[j]));
-                }
-                sh.params()[k++].grad.copy_from(g);
-              }
-              opt.clip_and_step(sh.params(), oc.lr, 0.0);
-            }
-            held[size_t(r)] = opt.state_bytes();
-            sh.gather_all();
-            for (const auto& p : m->params()) {
-              const Tensor& w = want.at(p.name);
-              if (p.value.numel() != w.numel() ||
-                  std::memcmp(p.value.raw(), w.raw(), w.nbytes()) != 0)
-                throw std::runtime_error(p.name + " differs from the 1-rank step");
-            }
+            held[size_t(r)] = sharded_8bit_rank(r, world, server.port(), dir, oc, steps, want);
           } catch (const std::exception& e) {
             errors[size_t(r)] = e.what();
           }

@@ -20,6 +20,7 @@
 
 using namespace rig;
 using namespace rig::test::parallel;
+using rig::test::small_data;
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 

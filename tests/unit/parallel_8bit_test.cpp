@@ -105,10 +105,7 @@ void expect_close_8bit(const RunDiff& d, const std::string& what) {
 size_t sharded_8bit_rank(int r, int world, int port, const std::string& dir,
                          const OptimizerConfig& oc, int steps,
                          const std::map<std::string, Tensor>& want) {
-  auto store = std::make_shared<dist::Store>("127.0.0.1", port, r, dist::Millis(30000));
-  dist::CommOptions o;
-  o.timeout = 30s;
-  auto comm = dist::make_gloo(store, r, world, o);
+  auto comm = gloo_rank(port, r, world);
   auto m = LlamaModel::load(dir);
   AdamW opt(oc);
   Sharded sh(*comm, *m, &opt);

@@ -87,11 +87,7 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
     for (int r = 0; r < world; ++r)
       ts.emplace_back([&, r] {
         try {
-          auto store =
-              std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
-          dist::CommOptions o;
-          o.timeout = 30s;
-          auto comm = dist::make_gloo(store, r, world, o);
+          auto comm = gloo_rank(server.port(), r, world);
           auto m = LlamaModel::load(dir, lo);
           m->add_lora(LoraConfig{}, 1);
           Sharded sh(*comm, *m);

@@ -57,6 +57,14 @@ inline std::vector<double> losses(const std::string& run) {
   return out;
 }
 
+// Rank r's Gloo communicator through the store server at `port` (30 s timeouts).
+inline std::unique_ptr<dist::Communicator> gloo_rank(int port, int r, int world) {
+  auto store = std::make_shared<dist::Store>("127.0.0.1", port, r, dist::Millis(30000));
+  dist::CommOptions o;
+  o.timeout = std::chrono::seconds(30);
+  return dist::make_gloo(store, r, world, o);
+}
+
 // Runs train() on `world` ranks as threads, each with its own Gloo communicator (wrapped by
 // `wrap` when given). Rethrows the first rank's error.
 using Wrap =
@@ -72,11 +80,7 @@ inline std::vector<TrainResult> train_ranks(int world, const std::function<Train
   for (int r = 0; r < world; ++r)
     ts.emplace_back([&, r] {
       try {
-        auto store =
-            std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
-        dist::CommOptions o;
-        o.timeout = 30s;
-        std::unique_ptr<dist::Communicator> comm = dist::make_gloo(store, r, world, o);
+        std::unique_ptr<dist::Communicator> comm = gloo_rank(server.port(), r, world);
         if (wrap) comm = wrap(std::move(comm));
         TrainHooks h = hooks ? hooks(r) : TrainHooks{};
         h.quiet = true;

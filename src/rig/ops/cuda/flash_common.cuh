@@ -59,7 +59,7 @@ struct FlashParams {
   const float* lse_in;  // bwd input
   float* delta;         // [B,Hq,T] (bwd workspace)
   const int64_t* seg;   // [B,T] or nullptr (read by the pre-pass only)
-  const int *mono, *first, *last;  // seg_plan_kernel's output, nullptr without seg
+  const int *first, *last;  // seg_plan_kernel's output, nullptr without seg
   // seg_plan_kernel's tile lists with seg, nullptr without: per batch row, `cap` int4 {i0, s, e,
   // masked} longest first and their count; the forward's tiles of BM rows, dQ's (and dK/dV's,
   // read in the dK/dV order) of 64.
@@ -331,7 +331,7 @@ __device__ void plan_tiles(const int64_t* sg, int T, bool ok, const int* lst, in
 // Dynamic shared memory: 2 max(Ka, Kb) ints.
 template <int TA, bool RA, int TB, bool RB>
 __global__ void __launch_bounds__(kPlanThreads)
-    seg_plan_kernel(const int64_t* seg, int T, int* mono, int* first, int* last, int cap, int Ka,
+    seg_plan_kernel(const int64_t* seg, int T, int* first, int* last, int cap, int Ka,
                     int4* tiles_a, int* count_a, int Kb, int4* tiles_b, int* count_b) {
   extern __shared__ int sh[];
   __shared__ int part[32];
@@ -339,7 +339,6 @@ __global__ void __launch_bounds__(kPlanThreads)
   const int64_t* sg = seg + int64_t(b) * T;
   int* lst = last + int64_t(b) * T;
   const bool ok = plan_positions(sg, T, first + int64_t(b) * T, lst, part);
-  if (threadIdx.x == 0) mono[b] = ok;
   plan_tiles<TA, RA>(sg, T, ok, lst, Ka, tiles_a + int64_t(b) * cap, count_a + b, sh, sh + Ka,
                      part);
   if constexpr (TB > 0)
@@ -438,7 +437,7 @@ int list_buckets(int T, int tile) {
 
 struct Workspace {
   bool bwd;
-  size_t delta, mono, start, end, tiles_a, count_a, tiles_b, count_b, total;
+  size_t delta, start, end, tiles_a, count_a, tiles_b, count_b, total;
 };
 Workspace layout(const AttnDims& d, bool has_seg, bool bwd) {
   Workspace w{};
@@ -451,7 +450,6 @@ Workspace layout(const AttnDims& d, bool has_seg, bool bwd) {
   };
   if (bwd) w.delta = take(sizeof(float) * size_t(d.B) * d.Hq * d.T);
   if (has_seg) {
-    w.mono = take(sizeof(int) * size_t(d.B));
     w.start = take(sizeof(int) * size_t(d.B) * d.T);
     w.end = take(sizeof(int) * size_t(d.B) * d.T);
     // Forward: its list in a. Backward: dQ's in a, dK/dV's in b.
@@ -479,7 +477,6 @@ FlashParams make_params(const AttnDims& d, const int64_t* seg, void* ws, const W
   p.seg = seg;
   if (seg) {
     auto* base = static_cast<unsigned char*>(ws);
-    p.mono = reinterpret_cast<const int*>(base + w.mono);
     p.first = reinterpret_cast<const int*>(base + w.start);
     p.last = reinterpret_cast<const int*>(base + w.end);
     auto tiles = [&](size_t at) { return reinterpret_cast<const int4*>(base + at); };
@@ -506,9 +503,8 @@ cudaError_t run_seg_plan(const FlashParams& p, int cap, const int4* ta, const in
   const int Ka = list_buckets(p.T, TA), Kb = TB > 0 ? list_buckets(p.T, TB) : 0;
   const size_t smem = size_t(2 * std::max(Ka, Kb)) * sizeof(int);
   seg_plan_kernel<TA, RA, TB, RB><<<unsigned(p.B), kPlanThreads, smem, s>>>(
-      p.seg, p.T, const_cast<int*>(p.mono), const_cast<int*>(p.first), const_cast<int*>(p.last),
-      cap, Ka, const_cast<int4*>(ta), const_cast<int*>(ca), Kb, const_cast<int4*>(tb),
-      const_cast<int*>(cb));
+      p.seg, p.T, const_cast<int*>(p.first), const_cast<int*>(p.last), cap, Ka,
+      const_cast<int4*>(ta), const_cast<int*>(ca), Kb, const_cast<int4*>(tb), const_cast<int*>(cb));
   return cudaGetLastError();
 }
 

@@ -46,13 +46,7 @@ TEST(Parallel, DataParallelCheckpointResumesOnOneRank) {
   const int64_t steps = 4;
   train_one(tiny(base + "/ref", "lora", "ddp", 1, steps));
   train_ranks(
-      2, [&](int) { return tiny(base + "/run", "lora", "ddp", 2, steps); },
-      [](int) {
-        TrainHooks h;
-        auto polls = std::make_shared<int>(0);
-        h.should_stop = [polls] { return ++*polls > 2; };
-        return h;
-      });
+      2, [&](int) { return tiny(base + "/run", "lora", "ddp", 2, steps); }, stop_after(2));
   EXPECT_EQ(latest_checkpoint(base + "/run")->step, 2);
   train_one(tiny(base + "/run", "lora", "ddp", 1, steps));
   expect_close_runs(base + "/ref", base + "/run", "lora", size_t(steps));
@@ -62,13 +56,7 @@ TEST(Parallel, DataParallelCheckpointResumesOnOneRank) {
   packed.packing = true;
   packed.sequence_len = 512;  // several samples per row, a different number on each rank
   train_ranks(
-      2, [&](int) { return packed; },
-      [](int) {
-        TrainHooks h;
-        auto polls = std::make_shared<int>(0);
-        h.should_stop = [polls] { return ++*polls > 1; };
-        return h;
-      });
+      2, [&](int) { return packed; }, stop_after(1));
   TrainConfig one = tiny(base + "/packed", "lora", "ddp", 1, steps);
   one.packing = true;
   one.sequence_len = 512;
@@ -83,13 +71,7 @@ TEST(Parallel, DataParallelCheckpointResumesOnOneRank) {
 TEST(Parallel, IncompatibleResumesAreClearErrors) {
   const std::string run = test::temp_dir("par_badresume");
   train_ranks(
-      2, [&](int) { return tiny(run, "full", "sharded", 2, 3); },
-      [](int) {
-        TrainHooks h;
-        auto polls = std::make_shared<int>(0);
-        h.should_stop = [polls] { return ++*polls > 1; };
-        return h;
-      });
+      2, [&](int) { return tiny(run, "full", "sharded", 2, 3); }, stop_after(1));
   // LoRA on top of that checkpoint: other trainable units.
   TrainConfig c = tiny(run, "lora", "sharded", 1, 3);
   c.resume = latest_checkpoint(run)->dir;
@@ -115,13 +97,7 @@ TEST(Parallel, IncompatibleResumesAreClearErrors) {
 TEST(Parallel, VerifyScansEveryRanksShards) {
   const std::string run = test::temp_dir("par_verify");
   train_ranks(
-      2, [&](int) { return tiny(run, "full", "sharded", 2, 3); },
-      [](int) {
-        TrainHooks h;
-        auto polls = std::make_shared<int>(0);
-        h.should_stop = [polls] { return ++*polls > 1; };
-        return h;
-      });
+      2, [&](int) { return tiny(run, "full", "sharded", 2, 3); }, stop_after(1));
   auto ck = latest_checkpoint(run);
   ASSERT_TRUE(ck);
   auto ok = verify_checkpoint(ck->dir);

@@ -5,9 +5,9 @@
 // Workspace (caller allocates flash_*_workspace bytes, 256-byte aligned; may be nullptr when the
 // size is 0), each part starting on a 256-byte boundary, no contents expected on entry:
 //   bwd only:  delta  float [B, Hq, T]   rowsum(dout * out)
-//   with seg:  mono   int32 [B]          1 when row b's segment ids never decrease
-//              first  int32 [B, T]       first position of the row with the same id as t
-//              last   int32 [B, T]       last position of t's segment (T-1 when not mono)
+//   with seg:  first  int32 [B, T]       first position of the row with the same id as t
+//              last   int32 [B, T]       last position of t's segment (T-1 when the row's ids
+//                                        ever decrease)
 //              tiles  int4 [B, cap]      the blocks' tiles, longest first, and their count [B]
 //                                        (forward: one list; backward: dQ's and dK/dV's)
 // The backward is deterministic (no atomics): bitwise the same run to run.

@@ -175,16 +175,12 @@ __device__ __forceinline__ void dq_tile(const FlashParams& p, unsigned char* sme
     __syncthreads();  // next tile landed; every warp is done with this one
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = wr0 + g + 8 * r;
-    if (row >= E) continue;
-    bf16* dst = p.dq + ((int64_t(b) * T + row) * p.Hq + h) * D;
-#pragma unroll
-    for (int nt = 0; nt < ND; ++nt)
-      *reinterpret_cast<uint32_t*>(dst + nt * 8 + 2 * t4) =
-          pack_bf16(acc[nt][2 * r] * p.scale, acc[nt][2 * r + 1] * p.scale);
-  }
+  // The warp's own rows of the O tile (read only for delta) take its dQ rows on the way out.
+  const float mul[2] = {p.scale, p.scale};
+  unsigned char* tile = smem + 4 * BN * RB;
+  stage_rows16<D>(tile, w * 16, acc, mul, lane);
+  __syncwarp();
+  copy_rows16<D>(tile, w * 16, p.dq + qoff, qstride, wr0, E, lane);
 }
 
 // Grid (B * Hq, Y), as the forward's: block y takes query tile Y-1-y.
@@ -362,20 +358,14 @@ __device__ __forceinline__ void dkdv_tile(const FlashParams& p, unsigned char* s
     }
   }
   cp_wait<0>();
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = wk0 + g + 8 * r;
-    if (key >= E) continue;
-    const int64_t off = ((int64_t(b) * T + key) * p.Hk + hk) * D;
-#pragma unroll
-    for (int nt = 0; nt < ND; ++nt) {
-      *reinterpret_cast<uint32_t*>(p.dk + off + nt * 8 + 2 * t4) =
-          pack_bf16(dk[nt][2 * r] * p.scale, dk[nt][2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(p.dv + off + nt * 8 + 2 * t4) =
-          pack_bf16(dv[nt][2 * r], dv[nt][2 * r + 1]);
-    }
-  }
+  // Each warp's own K and V rows take its dK and dV on the way out.
+  const float mk[2] = {p.scale, p.scale}, mv[2] = {1.0f, 1.0f};
+  __syncwarp();
+  stage_rows16<D>(smem, w * 16, dk, mk, lane);
+  stage_rows16<D>(smem + BN * RB, w * 16, dv, mv, lane);
+  __syncwarp();
+  copy_rows16<D>(smem, w * 16, p.dk + koff, kstride, wk0, E, lane);
+  copy_rows16<D>(smem + BN * RB, w * 16, p.dv + koff, kstride, wk0, E, lane);
 }
 
 // Grid (B * Hk, Y): without a tile list, block y takes key tile y (key tile 0 sees the most

@@ -192,6 +192,7 @@ __device__ __forceinline__ void fwd_tile(const FlashParams& p, unsigned char* sm
     __syncthreads();
   }
 
+  float inv[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -199,18 +200,20 @@ __device__ __forceinline__ void fwd_tile(const FlashParams& p, unsigned char* sm
       float lt = l[mt][r];
       lt += __shfl_xor_sync(0xffffffffu, lt, 1);
       lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+      inv[mt][r] = lt > 0.0f ? 1.0f / lt : 0.0f;
       const int row = i0 + qr[mt] + g + 8 * r;
-      if (row >= E) continue;
-      const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-      bf16* orow = p.out + ((int64_t(b) * T + row) * p.Hq + h) * D;
-#pragma unroll
-      for (int nt = 0; nt < ND; ++nt)
-        *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t4) =
-            pack_bf16(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
-      if (t4 == 0)
+      if (row < E && t4 == 0)
         p.lse[(int64_t(b) * p.Hq + h) * T + row] =
             lt > 0.0f ? m[mt][r] * p.scale + logf(lt) : -INFINITY;
     }
+  bf16* orows = p.out + (int64_t(b) * T * p.Hq + h) * D;
+  // Each warp's own Q rows take its O rows on the way out (the loop ended on a barrier).
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) stage_rows16<D>(smem, qr[mt], o[mt], inv[mt], lane);
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    copy_rows16<D>(smem, qr[mt], orows, qstride, i0 + qr[mt], E, lane);
 }
 
 // Grid (B * Hq, Y): block y takes query tile Y-1-y (longest rows first).

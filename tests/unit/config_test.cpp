@@ -140,6 +140,21 @@ TEST(Allocator, ParseBytes) {
   EXPECT_THROW(parse_bytes("GiB"), InputError);
 }
 
+TEST(Allocator, CudaAllocatorNameFromTheEnvironment) {
+  EXPECT_TRUE(cuda_pool_requested(nullptr));
+  EXPECT_TRUE(cuda_pool_requested(""));
+  EXPECT_TRUE(cuda_pool_requested("pool"));
+  EXPECT_FALSE(cuda_pool_requested("caching"));
+  try {
+    cuda_pool_requested("Caching ");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("RIG_CUDA_ALLOCATOR='Caching '"), std::string::npos) << m;
+    EXPECT_NE(m.find("expected pool or caching"), std::string::npos) << m;
+  }
+}
+
 TEST(Inspect, TinyLlama3Json) {
   auto r = test::run_rig("inspect --json " + test::data_path("hf/tiny-llama3/model"));
   ASSERT_EQ(r.code, 0) << r.out;

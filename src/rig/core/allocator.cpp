@@ -108,6 +108,13 @@ Allocator& cpu_allocator() {
   return a;
 }
 
+bool cuda_pool_requested(const char* value) {
+  const std::string v = value ? value : "";
+  if (v.empty() || v == "pool") return true;
+  if (v == "caching") return false;
+  bad_input("RIG_CUDA_ALLOCATOR='{}': expected pool or caching", v);
+}
+
 size_t parse_bytes(std::string_view text, std::string_view what) {
   std::string s(text);
   size_t i = 0;

@@ -69,6 +69,10 @@ Allocator& cpu_allocator();
 std::unique_ptr<Allocator> make_cuda_allocator(int index, bool pool);
 #endif
 
+// RIG_CUDA_ALLOCATOR's value (nullptr when unset): true for the stream-ordered pool (unset, empty
+// or "pool"), false for "caching"; anything else throws InputError naming the variable.
+bool cuda_pool_requested(const char* value);
+
 // "22GiB", "512MiB", "1.5GB", "1000" (bytes). Throws InputError naming `what` on a bad value.
 size_t parse_bytes(std::string_view text, std::string_view what = "size");
 std::string format_bytes(double bytes);  // "1.50 GiB"

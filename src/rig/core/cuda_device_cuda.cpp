@@ -186,13 +186,6 @@ class CudaPoolAllocator final : public Allocator {
   cudaMemPool_t pool_ = nullptr;
 };
 
-bool use_pool() {
-  const char* v = std::getenv("RIG_CUDA_ALLOCATOR");
-  if (!v || std::string(v).empty() || std::string(v) == "pool") return true;
-  if (std::string(v) == "caching") return false;
-  bad_input("RIG_CUDA_ALLOCATOR='{}': expected pool or caching", v);
-}
-
 }  // namespace
 
 std::unique_ptr<Allocator> make_cuda_allocator(int index, bool pool) {
@@ -219,7 +212,8 @@ Allocator& cuda_allocator(int index) {
   if (index < 0 || index >= n) bad_input("device cuda:{} requested, but only {} GPU(s) are visible", index, n);
   if (allocs.empty()) allocs.resize(size_t(n));
   if (!allocs[size_t(index)]) {
-    allocs[size_t(index)] = make_cuda_allocator(index, use_pool());
+    allocs[size_t(index)] =
+        make_cuda_allocator(index, cuda_pool_requested(std::getenv("RIG_CUDA_ALLOCATOR")));
   }
   return *allocs[size_t(index)];
 }

@@ -25,6 +25,7 @@ struct Opts {
   std::string model, preset, precision = "auto", lora_targets = "all";
   int64_t hidden = 256, layers = 8, heads = 8, kv_heads = 4, inter = 688, vocab = 8000;
   int64_t batch = 4, seq = 256, steps = 5, warmup = 1;
+  int64_t packed = 0;  // > 0: rows packed with documents of this average length
   std::string method = "full", device = "cpu", optimizer = "adamw";
   int lora_r = 16;
   std::string ckpt = "none";
@@ -91,6 +92,7 @@ void check_flags(const Opts& o) {
                          {"--lora-r", int64_t(o.lora_r)},
                          {"--loss-chunk-rows", o.loss_chunk_rows.value_or(1)}})
     if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
+  if (o.packed < 0) rig::bad_input("--packed must be 0 (no packing) or more, found {}", o.packed);
   if (o.method != "full" && o.method != "lora" && o.method != "qlora")
     rig::bad_input("--method '{}' is not one of full, lora, qlora", o.method);
   if (o.optimizer != "adamw" && o.optimizer != "adamw8bit")
@@ -99,8 +101,13 @@ void check_flags(const Opts& o) {
     rig::bad_input("--checkpointing '{}' is not one of none, full, selective", o.ckpt);
 }
 
-// Random tokens, every one trained, so each step's gradient is the batch's mean.
-rig::TokenBatch random_batch(int64_t batch, int64_t seq, int64_t vocab) {
+// Random tokens, every one trained, so each step's gradient is the batch's mean. With packed > 0,
+// each row holds documents of lengths uniform in [1, 2 packed - 1] (the last one cut at the row's
+// end), laid out as rig train's packer lays them: segment ids 1, 2, ..., positions from 0 in each
+// document, and no target across a document boundary. *attention_len: the mean length a token's
+// attention spans, sum(L^2) / sum(L) over the documents (the row length without packing).
+rig::TokenBatch random_batch(int64_t batch, int64_t seq, int64_t vocab, int64_t packed,
+                             double* attention_len) {
   std::mt19937_64 rng(1);
   rig::TokenBatch b{rig::Tensor::empty({batch, seq}, rig::DType::I64),
                     rig::Tensor::empty({batch, seq}, rig::DType::I64),
@@ -108,6 +115,25 @@ rig::TokenBatch random_batch(int64_t batch, int64_t seq, int64_t vocab) {
                     {}};
   for (int64_t i = 0; i < batch * seq; ++i)
     b.input_ids.data<int64_t>()[i] = b.labels.data<int64_t>()[i] = int64_t(rng() % uint64_t(vocab));
+  *attention_len = double(seq);
+  if (packed == 0) return b;
+  b.position_ids = rig::Tensor::empty({batch, seq}, rig::DType::I64);
+  b.segment_ids = rig::Tensor::empty({batch, seq}, rig::DType::I64);
+  std::uniform_int_distribution<int64_t> length(1, 2 * packed - 1);
+  double squares = 0;
+  for (int64_t r = 0; r < batch; ++r)
+    for (int64_t t = 0, id = 1; t < seq; ++id) {
+      const int64_t len = std::min(length(rng), seq - t);
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t i = r * seq + t + k;
+        b.position_ids.data<int64_t>()[i] = k;
+        b.segment_ids.data<int64_t>()[i] = id;
+        if (k == 0) b.labels.data<int64_t>()[i] = -100;
+      }
+      squares += double(len) * double(len);
+      t += len;
+    }
+  *attention_len = squares / double(batch * seq);
   return b;
 }
 
@@ -146,10 +172,11 @@ void print_text(const Opts& o, const nlohmann::json& r) {
     fmt::print("  {:<16} {:9.2f} ms\n", "profiled step", step);
   }
   fmt::print(
-      "{} {} params ({} trainable), batch {} x seq {}{}: {:.0f} tokens/s, {:.1f} ms/step, "
+      "{} {} params ({} trainable), batch {} x seq {}{}{}: {:.0f} tokens/s, {:.1f} ms/step, "
       "{:.3f} TFLOP/s, peak {} in use, {} reserved\n",
       o.method, r["parameters"].get<int64_t>(), r["trainable_parameters"].get<int64_t>(), o.batch,
-      o.seq, o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, r["tokens_per_s"].get<double>(),
+      o.seq, o.packed > 0 ? fmt::format(" packed (documents of {} on average)", o.packed) : "",
+      o.ckpt == "none" ? "" : ", checkpointing " + o.ckpt, r["tokens_per_s"].get<double>(),
       r["step_ms"].get<double>(), r["tflops"].get<double>(),
       rig::format_bytes(r["peak_memory_bytes"].get<double>()),
       rig::format_bytes(r["peak_reserved_bytes"].get<double>()));
@@ -172,7 +199,9 @@ int run(const Opts& o) {
   so.loss_chunk_rows = o.loss_chunk_rows.value_or(
       rig::loss_chunk_rows_for(mc.vocab_size, int64_t(rig::dtype_size(m->compute_dtype()))));
   rig::TrainStep step(*m, opt, nullptr, nullptr, so);
-  const std::vector<rig::TokenBatch> micro = {random_batch(o.batch, o.seq, mc.vocab_size)};
+  double attention_len = 0;
+  const std::vector<rig::TokenBatch> micro = {
+      random_batch(o.batch, o.seq, mc.vocab_size, o.packed, &attention_len)};
   // As rig train's step: forward and backward, the guard's NaN/Inf scan, the norm, clip, AdamW.
   auto one_step = [&](int64_t s) {
     const double loss = step.accumulate(micro, 0, s).loss();
@@ -201,9 +230,10 @@ int run(const Opts& o) {
   const double tokens = double(o.batch * o.seq * o.steps);
   const double n = double(m->num_parameters(false));
   // Model FLOPs as shared/bench counts them: the input embedding is a lookup, not a product.
+  // Attention's term counts the span a token attends over: the row, or its document when packed.
   const double n_mat = mc.tie_word_embeddings ? n : n - double(mc.vocab_size * mc.hidden_size);
   const double flops_per_token = (o.method == "full" ? 6.0 : 4.0) * n_mat +
-                                 12.0 * double(mc.num_layers * mc.hidden_size * o.seq);
+                                 12.0 * double(mc.num_layers * mc.hidden_size) * attention_len;
   nlohmann::json r = {{"device", dev.str()},
                       {"precision", precision},
                       {"method", o.method},
@@ -211,6 +241,8 @@ int run(const Opts& o) {
                       {"trainable_parameters", m->num_parameters(true)},
                       {"batch", o.batch},
                       {"seq", o.seq},
+                      {"packed", o.packed},
+                      {"attention_len", attention_len},
                       {"checkpointing", o.ckpt},
                       {"recompute_layers", o.recompute_layers},
                       {"loss_chunk_rows", so.loss_chunk_rows},
@@ -246,6 +278,10 @@ rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memor
   app.add_option("--vocab", o->vocab, "vocabulary")->capture_default_str();
   app.add_option("--batch", o->batch, "micro-batch")->capture_default_str();
   app.add_option("--seq", o->seq, "sequence length")->capture_default_str();
+  app.add_option("--packed", o->packed,
+                 "pack each row with random documents of this average length, as rig train packs "
+                 "data (lengths uniform in 1..2N-1); 0: one document per row")
+      ->capture_default_str();
   app.add_option("--steps", o->steps, "timed steps")->capture_default_str();
   app.add_option("--method", o->method, "full, lora or qlora (LoRA on NF4 weights)")
       ->capture_default_str();

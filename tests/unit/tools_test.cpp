@@ -1,6 +1,7 @@
 // rig generate / eval / merge through the CLI.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "rig/io/safetensors.h"
@@ -85,6 +86,34 @@ TEST(Tools, BenchTrainRejectsSizesBelowOne) {
   auto ok = test::run_rig(args("", ""));
   EXPECT_EQ(ok.code, 0) << ok.out;
   EXPECT_NE(ok.out.find("tokens/s"), std::string::npos) << ok.out;
+}
+
+TEST(Tools, BenchTrainPacksRowsAsRigTrainDoes) {
+  const std::string shape =
+      "bench train --hidden 32 --layers 2 --heads 2 --kv-heads 1 --intermediate 64 --vocab 64 "
+      "--batch 2 --seq 64 --steps 1 --json";
+  auto plain = test::run_rig(shape);
+  auto packed = test::run_rig(shape + " --packed 8");
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  ASSERT_EQ(packed.code, 0) << packed.out;
+  const auto p = nlohmann::json::parse(plain.out.substr(plain.out.find('{')));
+  const auto q = nlohmann::json::parse(packed.out.substr(packed.out.find('{')));
+  EXPECT_EQ(p["packed"], 0);
+  EXPECT_EQ(p["attention_len"].get<double>(), 64.0);
+  EXPECT_EQ(q["packed"], 8);
+  // Documents of 1..15 tokens: a token attends over sum(L^2) / sum(L) of them, about 10.
+  EXPECT_GT(q["attention_len"].get<double>(), 5.0);
+  EXPECT_LT(q["attention_len"].get<double>(), 15.0);
+  // Same tokens; segments, positions and the targets at document starts change the loss.
+  for (const auto& l : q["losses"]) EXPECT_TRUE(std::isfinite(l.get<double>()));
+  EXPECT_NE(p["losses"][0].get<double>(), q["losses"][0].get<double>());
+  EXPECT_LT(q["tflops"].get<double>() / q["tokens_per_s"].get<double>(),
+            p["tflops"].get<double>() / p["tokens_per_s"].get<double>());
+  auto bad = test::run_rig(shape + " --packed -3");
+  EXPECT_NE(bad.code, 0) << bad.out;
+  EXPECT_NE(bad.out.find("rig: --packed must be 0 (no packing) or more, found -3"),
+            std::string::npos)
+      << bad.out;
 }
 
 TEST(Tools, BenchTrainProfileBreaksTheStepDownPerOp) {

@@ -137,7 +137,7 @@ std::vector<ConfigSection> make_sections() {
                 .default_yaml = "true",
                 .aliases = {{"sample_packing"}},
                 .doc = "Pack several examples into one sequence (attention does not cross example "
-                       "boundaries)."},
+                       "boundaries; `rig bench train --packed N` measures its speed)."},
                {.name = "train_on_inputs",
                 .type = "boolean",
                 .default_yaml = "false",

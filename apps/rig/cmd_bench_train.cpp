@@ -92,7 +92,9 @@ void check_flags(const Opts& o) {
                          {"--lora-r", int64_t(o.lora_r)},
                          {"--loss-chunk-rows", o.loss_chunk_rows.value_or(1)}})
     if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
-  if (o.packed < 0) rig::bad_input("--packed must be 0 (no packing) or more, found {}", o.packed);
+  // Documents of one token (--packed 1) have no target: the loss would be 0 over nothing.
+  if (o.packed < 0 || o.packed == 1)
+    rig::bad_input("--packed must be 0 (whole rows) or at least 2, found {}", o.packed);
   if (o.method != "full" && o.method != "lora" && o.method != "qlora")
     rig::bad_input("--method '{}' is not one of full, lora, qlora", o.method);
   if (o.optimizer != "adamw" && o.optimizer != "adamw8bit")

@@ -109,11 +109,13 @@ TEST(Tools, BenchTrainPacksRowsAsRigTrainDoes) {
   EXPECT_NE(p["losses"][0].get<double>(), q["losses"][0].get<double>());
   EXPECT_LT(q["tflops"].get<double>() / q["tokens_per_s"].get<double>(),
             p["tflops"].get<double>() / p["tokens_per_s"].get<double>());
-  auto bad = test::run_rig(shape + " --packed -3");
-  EXPECT_NE(bad.code, 0) << bad.out;
-  EXPECT_NE(bad.out.find("rig: --packed must be 0 (no packing) or more, found -3"),
-            std::string::npos)
-      << bad.out;
+  for (const std::string v : {"-3", "1"}) {  // 1: one-token documents, nothing to train
+    auto bad = test::run_rig(shape + " --packed " + v);
+    EXPECT_NE(bad.code, 0) << bad.out;
+    EXPECT_NE(bad.out.find("rig: --packed must be 0 (whole rows) or at least 2, found " + v),
+              std::string::npos)
+        << bad.out;
+  }
 }
 
 TEST(Tools, BenchTrainProfileBreaksTheStepDownPerOp) {

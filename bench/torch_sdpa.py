@@ -4,8 +4,8 @@ usage: python3 bench/torch_sdpa.py [--batch 2 --seq 4096 --heads 32 --kv-heads 8
                                   [--segments FILE --packed-avg 512]
 Backends forced with torch.nn.attention.sdpa_kernel: cuDNN's fused attention and FlashAttention-2.
 With --segments (a JSON list of each batch row's segment lengths, as `rig bench attention
---packed N --json` prints them), FlashAttention-2's varlen kernel instead, on those segments:
-the packed-data comparison point (aten's _flash_attention_forward/_backward with cu_seqlens).
+--packed N --json` prints them), the varlen kernels instead, on those segments: the packed-data
+comparison points (aten's _flash_attention_* and _cudnn_attention_* with cumulative lengths).
 Causal, bf16, [B,H,T,D]; K/V carry kv-heads and enable_gqa=True where the backend takes it, else
 they are expanded to the query heads (the expansion is not timed). FLOPs count visible pairs
 only: forward 4*B*H*D*T(T+1)/2, backward 2.5x forward.
@@ -33,8 +33,9 @@ def median_ms(fn, warmup=3, iters=20):
     return times[len(times) // 2]
 
 
-def varlen_row(a, lengths):
-    """FlashAttention-2 varlen on the given segments: [total, H, D] with cumulative offsets."""
+def varlen_rows(a, lengths):
+    """FlashAttention-2's and cuDNN's varlen kernels on the given segments: [total, H, D] with
+    cumulative offsets. cuDNN's output is checked against FA2's (max_abs_diff_vs_flash2)."""
     H, Hk, D = a.heads, a.kv_heads, a.head_dim
     offs, pairs = [0], 0
     for row in lengths:
@@ -42,28 +43,56 @@ def varlen_row(a, lengths):
             offs.append(offs[-1] + n)
             pairs += n * (n + 1) // 2
     total, longest = offs[-1], max(max(r) for r in lengths)
-    row = {"impl": "torch-flash2-varlen", "B": a.batch, "T": a.seq, "Hq": H, "Hk": Hk, "D": D,
-           "causal": True, "packed_avg": a.packed_avg, "torch": torch.__version__}
-    try:
-        g = torch.Generator(device="cuda").manual_seed(1234)
-        mk = lambda h: torch.randn(total, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        q, k, v, dout = mk(H), mk(Hk), mk(Hk), mk(H)
-        cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
-        scale = D ** -0.5
-        fwd = lambda: torch.ops.aten._flash_attention_forward(
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    mk = lambda h: torch.randn(total, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, dout = mk(H), mk(Hk), mk(Hk), mk(H)
+    cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
+    scale = D ** -0.5
+    fwd_flops = 4.0 * H * D * pairs
+    aten = torch.ops.aten
+
+    def flash2():
+        fwd = lambda: aten._flash_attention_forward(
             q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
-        with torch.no_grad():
-            row["fwd_ms"] = median_ms(fwd, iters=a.iters)
-            out, lse, rng, unused, _ = fwd()
-            row["bwd_ms"] = median_ms(lambda: torch.ops.aten._flash_attention_backward(
-                dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused,
-                scale=scale), iters=a.iters)
-        fwd_flops = 4.0 * H * D * pairs
-        row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
-        row["bwd_tflops"] = 2.5 * fwd_flops / row["bwd_ms"] / 1e9
-    except (RuntimeError, TypeError) as e:
-        row["skipped"] = str(e).splitlines()[0][:200]
-    print(json.dumps(row), flush=True)
+        out, lse, rng, unused, _ = fwd()
+        bwd = lambda: aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused,
+            scale=scale)
+        return fwd, bwd, out
+
+    def cudnn():
+        fwd = lambda: aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale)
+        res = fwd()
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        bwd = lambda: aten._cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cu, cu, longest, longest, 0.0, True,
+            scale=scale)
+        return fwd, bwd, out
+
+    reference = None
+    for name, make in [("torch-flash2-varlen", flash2), ("torch-cudnn-varlen", cudnn)]:
+        if a.impls and name.split("-")[1] not in a.impls.split(","):
+            continue
+        row = {"impl": name, "B": a.batch, "T": a.seq, "Hq": H, "Hk": Hk, "D": D,
+               "causal": True, "packed_avg": a.packed_avg, "torch": torch.__version__}
+        if name == "torch-cudnn-varlen":
+            # Seen with PyTorch 2.11: the cuDNN graph is rebuilt on every varlen call.
+            row["note"] = "wall time per call, graph building included; ncu gives the kernels' time"
+        try:
+            with torch.no_grad():
+                fwd, bwd, out = make()
+                if reference is None:
+                    reference = out
+                else:
+                    row["max_abs_diff_vs_flash2"] = (out.float() - reference.float()).abs().max().item()
+                row["fwd_ms"] = median_ms(fwd, iters=a.iters)
+                row["bwd_ms"] = median_ms(bwd, iters=a.iters)
+            row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+            row["bwd_tflops"] = 2.5 * fwd_flops / row["bwd_ms"] / 1e9
+        except (RuntimeError, TypeError, AttributeError) as e:
+            row["skipped"] = str(e).splitlines()[0][:300]
+        print(json.dumps(row), flush=True)
 
 
 def main():
@@ -76,10 +105,11 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--segments", help="JSON file: each batch row's segment lengths")
     p.add_argument("--packed-avg", type=int, default=0, help="recorded in the output row")
+    p.add_argument("--impls", default="", help="with --segments: flash2,cudnn (default both)")
     a = p.parse_args()
     if a.segments:
         with open(a.segments) as f:
-            varlen_row(a, json.load(f))
+            varlen_rows(a, json.load(f))
         return
     B, T, H, Hk, D = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     g = torch.Generator(device="cuda").manual_seed(1234)

@@ -171,6 +171,22 @@ TEST(OpHarness, AttentionAutoPicksTheFastestThatApplies) {
   Tensor l = Tensor::zeros({1, 2, 8}, DType::F32, Device::cuda(0));
   Tensor seg = Tensor::zeros({1, 8}, DType::I64, Device::cuda(0));
   EXPECT_THROW(ops::attention_forward(q, q, q, seg, o, l), Error);  // forced cuDNN, packed
+  // A shape cuDNN declines (head_dim 4): forced, an error that says why; auto falls back.
+  if (ops::cuda::sdpa_cudnn::runtime_version() < 90000) return;
+  Tensor q4 = Tensor::zeros({1, 8, 2, 4}, DType::BF16, Device::cuda(0));
+  Tensor o4 = Tensor::zeros({1, 8, 2, 4}, DType::BF16, Device::cuda(0));
+  try {
+    ops::attention_forward(q4, q4, q4, Tensor(), o4, l);
+    ADD_FAILURE() << "forced cuDNN ran head_dim 4";
+  } catch (const Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("RIG_ATTENTION=cudnn but it declined the call: head_dim 4"),
+        std::string::npos)
+        << e.what();
+  }
+  ImplScope automatic("auto");
+  ops::attention_forward(q4, q4, q4, Tensor(), o4, l);
+  EXPECT_EQ(ops::cuda::last_attention_impl(false), "reference");
 }
 
 // Backward twice gives bit-identical gradients: the flash and reference kernels always, cuDNN

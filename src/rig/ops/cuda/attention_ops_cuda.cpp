@@ -97,9 +97,11 @@ bool deterministic() {
   return g_deterministic;
 }
 
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
-                       Tensor& out, Tensor& lse) {
-  const char* op = "attention_forward";
+namespace {
+
+// The checks both directions share (q/k/v/out/lse and seg); returns the call's dimensions.
+k::AttnDims check_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                       const Tensor& out, const Tensor& lse, const char* op) {
   const int dev = q.device().index;
   for (auto [t, n] : {std::pair{&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}})
     check_on(*t, dev, op, n);
@@ -109,20 +111,41 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   check_dtype(lse, DType::F32, op, "lse");
   RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
             shape_str(lse.shape()), shape_str(q.shape()));
-  const k::T t = ktype(q, op, "q");
   for (auto [x, n] : {std::pair{&k, "k"}, {&v, "v"}, {&out, "out"}})
     RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
               dtype_name(q.dtype()));
-  DeviceGuard g(dev);
-  const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
+  return d;
+}
+
+// Runs the first candidate implementation that takes the call. run(impl, &why) returns false
+// when cuDNN declines; a forced implementation that declines is an error.
+template <typename Run>
+void run_first(const Tensor& q, const Tensor& seg, const k::AttnDims& d, const char* op,
+               bool backward, Run run) {
+  DeviceGuard g(q.device().index);
   std::string why;
   for (Impl impl : candidates(q, seg, d, op)) {
-    if (impl == Impl::Cudnn) {
-      if (!sdpa_cudnn::forward(q, k, v, out, lse, &why)) {
-        RIG_CHECK(impl_setting() != "cudnn", "{}: cuDNN declined: {}", op, why);
-        continue;
-      }
-    } else if (impl == Impl::Flash) {
+    if (run(impl, &why)) {
+      g_last_impl[backward ? 1 : 0] = impl_name(impl);
+      return;
+    }
+    RIG_CHECK(impl_setting() != impl_name(impl),
+              "{}: RIG_ATTENTION={} but it declined the call: {}", op, impl_name(impl), why);
+  }
+}
+
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                       Tensor& out, Tensor& lse) {
+  const char* op = "attention_forward";
+  const k::AttnDims d = check_call(q, k, v, seg, out, lse, op);
+  const k::T t = ktype(q, op, "q");
+  const int dev = q.device().index;
+  const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
+  run_first(q, seg, d, op, false, [&](Impl impl, std::string* why) {
+    if (impl == Impl::Cudnn) return sdpa_cudnn::forward(q, k, v, out, lse, why);
+    if (impl == Impl::Flash) {
       Tensor ws = flash_workspace(k::flash_fwd_workspace(d, segp != nullptr), dev);
       check_status(k::flash_fwd(q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(), d, ws.raw(),
                                 stream_for(dev)),
@@ -132,44 +155,31 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
                                     stream_for(dev)),
                    op);
     }
-    g_last_impl[0] = impl_name(impl);
-    return;
-  }
+    return true;
+  });
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& seg, const Tensor& out, const Tensor& lse, Tensor& dq,
                         Tensor& dk, Tensor& dv) {
   const char* op = "attention_backward";
+  const k::AttnDims d = check_call(q, k, v, seg, out, lse, op);
   const int dev = q.device().index;
-  for (auto [t, n] : {std::pair{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"},
-                      {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
-    check_on(*t, dev, op, n);
-  if (seg.defined()) check_on(seg, dev, op, "seg");
-  const k::AttnDims d = attn_dims(q, k, v, seg, op);
-  same_shape(q, out, op, "q", "out");
+  for (auto [x, n] : {std::pair{&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) {
+    check_on(*x, dev, op, n);
+    RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
+              dtype_name(q.dtype()));
+  }
   same_shape(q, dout, op, "q", "dout");
   same_shape(q, dq, op, "q", "dq");
   same_shape(k, dk, op, "k", "dk");
   same_shape(k, dv, op, "k", "dv");
-  check_dtype(lse, DType::F32, op, "lse");
-  RIG_CHECK(lse.numel() == q.dim(0) * q.dim(1) * q.dim(2), "{}: lse {} for q {}", op,
-            shape_str(lse.shape()), shape_str(q.shape()));
   const k::T t = ktype(q, op, "q");
-  for (auto [x, n] : {std::pair{&dout, "dout"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dq, "dq"},
-                      {&dk, "dk"}, {&dv, "dv"}})
-    RIG_CHECK(x->dtype() == q.dtype(), "{}: {} is {} but q is {}", op, n, dtype_name(x->dtype()),
-              dtype_name(q.dtype()));
-  DeviceGuard g(dev);
   const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
-  std::string why;
-  for (Impl impl : candidates(q, seg, d, op)) {
-    if (impl == Impl::Cudnn) {
-      if (!sdpa_cudnn::backward(dout, q, k, v, out, lse, dq, dk, dv, g_deterministic, &why)) {
-        RIG_CHECK(impl_setting() != "cudnn", "{}: cuDNN declined: {}", op, why);
-        continue;
-      }
-    } else if (impl == Impl::Flash) {
+  run_first(q, seg, d, op, true, [&](Impl impl, std::string* why) {
+    if (impl == Impl::Cudnn)
+      return sdpa_cudnn::backward(dout, q, k, v, out, lse, dq, dk, dv, g_deterministic, why);
+    if (impl == Impl::Flash) {
       Tensor ws = flash_workspace(k::flash_bwd_workspace(d, segp != nullptr), dev);
       check_status(k::flash_bwd(dout.raw(), q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(),
                                 dq.raw(), dk.raw(), dv.raw(), d, ws.raw(), stream_for(dev)),
@@ -181,9 +191,8 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                                     stream_for(dev)),
                    op);
     }
-    g_last_impl[1] = impl_name(impl);
-    return;
-  }
+    return true;
+  });
 }
 
 }  // namespace rig::ops::cuda

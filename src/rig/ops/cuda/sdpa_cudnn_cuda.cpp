@@ -495,6 +495,35 @@ Tensor workspace(int64_t bytes, int dev) {
                        "cuDNN attention workspace");
 }
 
+Shape shape_of(const Tensor& q, const Tensor& k) {
+  return Shape{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
+}
+
+// What forward (variant 0) and backward (1) share: the checks, the plan for the call's shape and
+// the handle bound to rig's stream. Null with *why when cuDNN cannot take the call.
+Graph* prepare(const Tensor& q, const Tensor& k, std::initializer_list<const Tensor*> io,
+               int variant, bool deterministic, std::string* why) {
+  const int dev = q.device().index;
+  const Shape x = shape_of(q, k);
+  if (q.dtype() != DType::BF16) {
+    *why = "cuDNN's fused attention runs bf16 only";
+    return nullptr;
+  }
+  if (!supported(x, dev, variant == 1, why)) return nullptr;
+  for (const Tensor* t : io)
+    if (!aligned(*t)) {
+      *why = "a tensor is not 16-byte aligned";
+      return nullptr;
+    }
+  Graph* g = plan_for(x, dev, variant, deterministic, why);
+  if (!g) return nullptr;
+  cudaStream_t s = stream_for(dev);
+  if (cudnnSetStream(cache().handles[dev], s == cudaStreamLegacy ? nullptr : s) !=
+      CUDNN_STATUS_SUCCESS)
+    fail("cuDNN attention: cudnnSetStream failed");
+  return g;
+}
+
 }  // namespace
 
 int runtime_version() {
@@ -504,27 +533,13 @@ int runtime_version() {
 bool forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
              std::string* why) {
   const int dev = q.device().index;
-  const Shape x{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
-  if (q.dtype() != DType::BF16) {
-    *why = "cuDNN's fused attention runs bf16 only";
-    return false;
-  }
-  if (!supported(x, dev, false, why)) return false;
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &out})
-    if (!aligned(*t)) {
-      *why = "a tensor is not 16-byte aligned";
-      return false;
-    }
   DeviceGuard guard(dev);
-  Graph* g = plan_for(x, dev, 0, false, why);
+  Graph* g = prepare(q, k, {&q, &k, &v, &out}, 0, false, why);
   if (!g) return false;
-  cudnnHandle_t h = cache().handles[dev];
-  if (cudnnSetStream(h, stream_for(dev) == cudaStreamLegacy ? nullptr : stream_for(dev)) !=
-      CUDNN_STATUS_SUCCESS)
-    fail("cuDNN attention: cudnnSetStream failed");
+  const Shape x = shape_of(q, k);
   float scale = 1.0f / std::sqrt(float(x.D)), neg_inf = -std::numeric_limits<float>::infinity();
   Tensor ws = workspace(g->workspace(), dev);
-  g->execute(h, {kQ, kK, kV, kO, kStats, kScale, kNegInf},
+  g->execute(cache().handles[dev], {kQ, kK, kV, kO, kStats, kScale, kNegInf},
              {q.raw(), k.raw(), v.raw(), out.raw(), lse.raw(), &scale, &neg_inf}, ws.raw());
   return true;
 }
@@ -533,25 +548,10 @@ bool backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
               const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
               bool deterministic, std::string* why) {
   const int dev = q.device().index;
-  const Shape x{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
-  if (q.dtype() != DType::BF16) {
-    *why = "cuDNN's fused attention runs bf16 only";
-    return false;
-  }
-  if (!supported(x, dev, true, why)) return false;
-  for (const Tensor* t :
-       std::initializer_list<const Tensor*>{&dout, &q, &k, &v, &out, &dq, &dk, &dv})
-    if (!aligned(*t)) {
-      *why = "a tensor is not 16-byte aligned";
-      return false;
-    }
   DeviceGuard guard(dev);
-  Graph* g = plan_for(x, dev, 1, deterministic, why);
+  Graph* g = prepare(q, k, {&dout, &q, &k, &v, &out, &dq, &dk, &dv}, 1, deterministic, why);
   if (!g) return false;
-  cudnnHandle_t h = cache().handles[dev];
-  if (cudnnSetStream(h, stream_for(dev) == cudaStreamLegacy ? nullptr : stream_for(dev)) !=
-      CUDNN_STATUS_SUCCESS)
-    fail("cuDNN attention: cudnnSetStream failed");
+  const Shape x = shape_of(q, k);
   float scale = 1.0f / std::sqrt(float(x.D)), neg_inf = -std::numeric_limits<float>::infinity(),
         one = 1.0f;
   Tensor softmax_sum =
@@ -572,7 +572,7 @@ bool backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
       RIG_CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, size_t(acc.numel()) * 4, stream_for(dev)));
   }
   Tensor ws = workspace(g->workspace(), dev);
-  g->execute(h, uids, ptrs, ws.raw());
+  g->execute(cache().handles[dev], uids, ptrs, ws.raw());
   return true;
 }
 

@@ -64,15 +64,16 @@ void expect_grad_close(const Tensor& got, const Tensor& ref, DType dt, const std
   EXPECT_CLOSE(got, ref, dt, what);
 }
 
+// seg_ids: the packed case's segment ids (default: the harness's segments(B, T)).
 void check_attention(const std::string& impl, const AttnCase& c, DType dt, std::mt19937& g,
-                     bool backward = true) {
+                     bool backward = true, const Tensor* seg_ids = nullptr) {
   ImplScope scope(impl);
   const std::string what = fmt::format("attention[{}] B={} T={} Hq={} Hk={} D={}{}", impl, c.B, c.T,
                                        c.Hq, c.Hk, c.D, c.packed ? " packed" : "");
   Tensor q = rounded(randn({c.B, c.T, c.Hq, c.D}, g), dt);
   Tensor k = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
   Tensor v = rounded(randn({c.B, c.T, c.Hk, c.D}, g), dt);
-  Tensor seg = c.packed ? segments(c.B, c.T) : Tensor();
+  Tensor seg = !c.packed ? Tensor() : seg_ids ? *seg_ids : segments(c.B, c.T);
   Tensor out = Tensor::empty(q.shape(), DType::F32),
          lse = Tensor::empty({c.B, c.Hq, c.T}, DType::F32);
   ops::attention_forward(q, k, v, seg, out, lse);
@@ -140,6 +141,26 @@ TEST(OpHarness, AttentionCudnn) {
   check_attention("cudnn", {2, 50, 4, 2, 16, false}, DType::BF16, g);
 }
 
+// Packed rows as cuDNN ragged batches: segments of length 1 to 64 crossing every tile, each head
+// dim, GQA groups 1 to 8; then two segment layouts of one shape in turn (the run table is read per
+// seg tensor, never reused for another).
+TEST(OpHarness, AttentionCudnnPacked) {
+  RIG_REQUIRE_GPU();
+  std::string why;
+  if (!ops::cuda::sdpa_cudnn::ragged_supported(0, &why)) GTEST_SKIP() << why;
+  std::mt19937 g(13);
+  const AttnCase packed[] = {
+      {2, 111, 6, 2, 64, true}, {1, 300, 4, 4, 128, true},  {3, 97, 8, 1, 80, true},
+      {2, 129, 4, 2, 96, true}, {1, 1000, 8, 2, 128, true},
+  };
+  for (const auto& c : packed) check_attention("cudnn", c, DType::BF16, g);
+  const AttnCase shape{2, 200, 4, 2, 64, true};
+  std::vector<int64_t> halves(400);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = int64_t(i % 200 >= 120);
+  const Tensor layouts[] = {segments(2, 200), test::ints(halves, {2, 200})};
+  for (const Tensor& seg : layouts) check_attention("cudnn", shape, DType::BF16, g, true, &seg);
+}
+
 TEST(OpHarness, AttentionFlash) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(11);
@@ -153,13 +174,15 @@ TEST(OpHarness, AttentionFlash) {
   for (const auto& c : packed) check_attention("flash", c, DType::BF16, g);
 }
 
-// What "auto" picks: cuDNN for plain causal bf16, the flash kernel for packed segments, the
-// reference kernel for float32.
+// What "auto" picks: cuDNN for plain causal bf16, cuDNN's ragged batches (where the runtime has
+// them, else the flash kernel) for packed segments, the reference kernel for float32.
 TEST(OpHarness, AttentionAutoPicksTheFastestThatApplies) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(12);
+  std::string why;
   check_attention("auto", {1, 128, 4, 2, 64, true}, DType::BF16, g);
-  EXPECT_EQ(ops::cuda::last_attention_impl(false), "flash");
+  EXPECT_EQ(ops::cuda::last_attention_impl(false),
+            ops::cuda::sdpa_cudnn::ragged_supported(0, &why) ? "cudnn" : "flash");
   check_attention("auto", {1, 128, 4, 2, 64, false}, DType::F32, g);
   EXPECT_EQ(ops::cuda::last_attention_impl(false), "reference");
   check_attention("auto", {1, 128, 4, 2, 64, false}, DType::BF16, g);
@@ -169,8 +192,14 @@ TEST(OpHarness, AttentionAutoPicksTheFastestThatApplies) {
   Tensor q = Tensor::zeros({1, 8, 2, 64}, DType::BF16, Device::cuda(0));
   Tensor o = Tensor::zeros({1, 8, 2, 64}, DType::BF16, Device::cuda(0));
   Tensor l = Tensor::zeros({1, 2, 8}, DType::F32, Device::cuda(0));
-  Tensor seg = Tensor::zeros({1, 8}, DType::I64, Device::cuda(0));
-  EXPECT_THROW(ops::attention_forward(q, q, q, seg, o, l), Error);  // forced cuDNN, packed
+  // An id that comes back after another cannot be a ragged batch entry: forced cuDNN says so.
+  Tensor seg = gpu(test::ints({0, 0, 1, 1, 0, 0, 2, 2}, {1, 8}));
+  try {
+    ops::attention_forward(q, q, q, seg, o, l);
+    ADD_FAILURE() << "forced cuDNN ran a segment id that comes back";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("declined the call"), std::string::npos) << e.what();
+  }
   // A shape cuDNN declines (head_dim 4): forced, an error that says why; auto falls back.
   if (ops::cuda::sdpa_cudnn::runtime_version() < 90000) return;
   Tensor q4 = Tensor::zeros({1, 8, 2, 4}, DType::BF16, Device::cuda(0));

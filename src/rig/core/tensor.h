@@ -61,6 +61,8 @@ class Tensor {
   Device device() const { return device_; }
 
   void* raw() const { return data_; }
+  // The allocation this tensor views (shared by its reshapes and slices): an identity for caches.
+  const std::shared_ptr<void>& storage() const { return storage_; }
   template <typename T>
   T* data() const {
     return static_cast<T*>(data_);

@@ -328,9 +328,31 @@ Geo geo_of(const AttnDims& d) {
     }                                           \
   } while (0)
 
+// One thread per (row b, token t, head h); consecutive threads walk heads, so the token-major
+// side is read or written contiguously.
+__global__ void lse_layout_kernel(const float* src, float* dst, int B, int T, int H,
+                                  bool to_tokens) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(B) * T * H) return;
+  const int64_t h = i % H, bt = i / H, b = bt / T, t = bt % T;
+  const int64_t head_major = (b * H + h) * T + t;
+  if (to_tokens)
+    dst[i] = src[head_major];
+  else
+    dst[head_major] = src[i];
+}
+
 }  // namespace
 
 int attention_max_head_dim() { return 256; }
+
+cudaError_t lse_layout(const float* src, float* dst, int B, int T, int H, bool to_tokens,
+                       cudaStream_t s) {
+  const int64_t n = int64_t(B) * T * H;
+  if (n == 0) return cudaSuccess;
+  lse_layout_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(src, dst, B, T, H, to_tokens);
+  return cudaGetLastError();
+}
 
 cudaError_t attention_fwd(T t, const void* q, const void* k, const void* v, const int64_t* seg,
                           void* out, float* lse, AttnDims d, cudaStream_t s) {

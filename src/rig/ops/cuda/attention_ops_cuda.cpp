@@ -40,8 +40,9 @@ k::AttnDims attn_dims(const Tensor& q, const Tensor& k, const Tensor& v, const T
 namespace {
 
 // Which implementation runs attention: the RIG_ATTENTION environment variable (auto, cudnn,
-// flash, reference) or set_attention_impl; "auto" takes cuDNN, then rig's flash kernel, then the
-// fp32 reference kernel, each where it supports the call.
+// flash, reference) or set_attention_impl; "auto" takes cuDNN (packed rows as ragged batches where
+// the runtime has them), then rig's flash kernel, then the fp32 reference kernel, each where it
+// supports the call.
 std::string& impl_setting() {
   static std::string s = [] {
     const char* e = std::getenv("RIG_ATTENTION");
@@ -65,8 +66,7 @@ std::vector<Impl> candidates(const Tensor& q, const Tensor& seg, const k::AttnDi
   const bool flash_ok = bf16 && k::flash_supports(d.D);
   if (want == "reference") return {Impl::Reference};
   if (want == "cudnn") {
-    RIG_CHECK(bf16 && !seg.defined(), "{}: RIG_ATTENTION=cudnn needs bf16 and no packed segments",
-              op);
+    RIG_CHECK(bf16, "{}: RIG_ATTENTION=cudnn needs bf16", op);
     return {Impl::Cudnn};
   }
   if (want == "flash") {
@@ -76,7 +76,7 @@ std::vector<Impl> candidates(const Tensor& q, const Tensor& seg, const k::AttnDi
   }
   RIG_CHECK(want == "auto", "RIG_ATTENTION={}: expected auto, cudnn, flash or reference", want);
   std::vector<Impl> c;
-  if (bf16 && !seg.defined()) c.push_back(Impl::Cudnn);
+  if (bf16) c.push_back(Impl::Cudnn);
   if (flash_ok) c.push_back(Impl::Flash);
   c.push_back(Impl::Reference);
   return c;
@@ -144,7 +144,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const int dev = q.device().index;
   const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
   run_first(q, seg, d, op, false, [&](Impl impl, std::string* why) {
-    if (impl == Impl::Cudnn) return sdpa_cudnn::forward(q, k, v, out, lse, why);
+    if (impl == Impl::Cudnn)
+      return seg.defined() ? sdpa_cudnn::forward_packed(q, k, v, seg, out, lse, why)
+                           : sdpa_cudnn::forward(q, k, v, out, lse, why);
     if (impl == Impl::Flash) {
       Tensor ws = flash_workspace(k::flash_fwd_workspace(d, segp != nullptr), dev);
       check_status(k::flash_fwd(q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(), d, ws.raw(),
@@ -178,7 +180,10 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   const int64_t* segp = seg.defined() ? seg.data<int64_t>() : nullptr;
   run_first(q, seg, d, op, true, [&](Impl impl, std::string* why) {
     if (impl == Impl::Cudnn)
-      return sdpa_cudnn::backward(dout, q, k, v, out, lse, dq, dk, dv, g_deterministic, why);
+      return seg.defined() ? sdpa_cudnn::backward_packed(dout, q, k, v, seg, out, lse, dq, dk, dv,
+                                                         g_deterministic, why)
+                           : sdpa_cudnn::backward(dout, q, k, v, out, lse, dq, dk, dv,
+                                                  g_deterministic, why);
     if (impl == Impl::Flash) {
       Tensor ws = flash_workspace(k::flash_bwd_workspace(d, segp != nullptr), dev);
       check_status(k::flash_bwd(dout.raw(), q.raw(), k.raw(), v.raw(), segp, out.raw(), lse.f32(),

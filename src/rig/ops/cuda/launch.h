@@ -117,6 +117,10 @@ cudaError_t attention_bwd(T t, const void* dout, const void* q, const void* k, c
                           const int64_t* seg, const void* out, const float* lse, float* delta,
                           void* dq, void* dk, void* dv, AttnDims d, cudaStream_t s);
 int attention_max_head_dim();
+// lse [B,H,T] <-> per-token rows [B*T,H] (cuDNN's layout for packed rows); to_tokens picks the
+// direction.
+cudaError_t lse_layout(const float* src, float* dst, int B, int T, int H, bool to_tokens,
+                       cudaStream_t s);
 
 // ---- cross_entropy.cu (dlogits may alias logits or have its own dtype td)
 // row_loss [rows] float32; a label outside [0, V) other than -100 is recorded in err.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Attention side by side on one GPU, in one run: rig bench attention (cuDNN path, rig's flash
-# kernel; plain causal and packed segments of average length 512) and PyTorch's SDPA (cuDNN and
+# Attention side by side on one GPU, in one run: rig bench attention (cuDNN, rig's flash kernel;
+# plain causal and packed segments of average length 512) and PyTorch's SDPA (cuDNN and
 # FlashAttention-2 backends; FA2 and cuDNN varlen kernels on the same packed segments) on the same shapes.
 # Writes OUTDIR/attention.jsonl.
 #
@@ -15,11 +15,11 @@ for shape in "2 4096 32 8 128" "4 2048 32 8 128" "2 4096 32 8 64"; do
   args=(--batch "$B" --seq "$T" --heads "$H" --kv-heads "$Hk" --head-dim "$D")
   "$rig" bench attention "${args[@]}" --impl cudnn,flash --json >> "$out/attention.jsonl"
   "$rig" bench attention "${args[@]}" --impl cudnn --deterministic --json >> "$out/attention.jsonl"
-  "$rig" bench attention "${args[@]}" --impl flash --packed 512 --json > "$out/packed.json"
+  "$rig" bench attention "${args[@]}" --impl cudnn,flash --packed 512 --json > "$out/packed.json"
   cat "$out/packed.json" >> "$out/attention.jsonl"
   python3 "$(dirname "$0")/torch_sdpa.py" "${args[@]}" >> "$out/attention.jsonl" 2>> "$out/torch_sdpa.err"
   # The varlen kernels (FlashAttention-2, cuDNN) on the very segments rig's packed run drew.
-  python3 -c 'import json,sys; json.dump(json.load(sys.stdin)["segment_lengths"], sys.stdout)' \
+  python3 -c 'import json,sys; json.dump(json.loads(sys.stdin.readline())["segment_lengths"], sys.stdout)' \
     < "$out/packed.json" > "$out/segments.json" &&
     python3 "$(dirname "$0")/torch_sdpa.py" "${args[@]}" --segments "$out/segments.json" \
       --packed-avg 512 >> "$out/attention.jsonl" 2>> "$out/torch_sdpa.err"

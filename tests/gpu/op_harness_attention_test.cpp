@@ -174,13 +174,16 @@ TEST(OpHarness, AttentionFlash) {
   for (const auto& c : packed) check_attention("flash", c, DType::BF16, g);
 }
 
-// What "auto" picks: cuDNN for plain causal bf16, cuDNN's ragged batches (where the runtime has
-// them, else the flash kernel) for packed segments, the reference kernel for float32.
+// What "auto" picks: cuDNN for plain causal bf16; for packed segments the flash kernel at head_dim
+// 64 and cuDNN's ragged batches above (where the runtime has them, else the flash kernel); the
+// reference kernel for float32.
 TEST(OpHarness, AttentionAutoPicksTheFastestThatApplies) {
   RIG_REQUIRE_GPU();
   std::mt19937 g(12);
   std::string why;
   check_attention("auto", {1, 128, 4, 2, 64, true}, DType::BF16, g);
+  EXPECT_EQ(ops::cuda::last_attention_impl(false), "flash");
+  check_attention("auto", {1, 128, 4, 2, 128, true}, DType::BF16, g);
   EXPECT_EQ(ops::cuda::last_attention_impl(false),
             ops::cuda::sdpa_cudnn::ragged_supported(0, &why) ? "cudnn" : "flash");
   check_attention("auto", {1, 128, 4, 2, 64, false}, DType::F32, g);

@@ -2,14 +2,14 @@
 //
 // The graphs are the dense ones (sdpa_cudnn_cuda.cpp) plus what cuDNN's ragged (THD) pattern asks
 // for: per-entry lengths that override each matmul's padded extent, a padding mask before the
-// causal one, and element offsets on every tensor. The batch is n entries of S rows, S the longest
-// run rounded up to a power of two, so that a plan (one per n and S) serves many batches.
+// causal one, and element offsets on every tensor. The batch is n entries of S rows, n and S the
+// run count and the longest run rounded up to powers of two, so that one plan serves many batches.
 //
 // Layouts: Q/O/dQ (and the fp32 dQ accumulator and, with grouped heads, the full-head dK/dV
 // partials) are [tokens, Hq, D] with offsets token·Hq·D; K/V/dK/dV are [tokens, Hk, D] with
-// offsets token·Hk·D (cuDNN scales those by Hq/Hk for the full-head partials). Stats and the
-// backward's softmax_sum are per-token rows [tokens, Hq]; rig's lse [B,Hq,T] is converted to and
-// from that layout around the calls.
+// offsets token·Hk·D (cuDNN scales those by Hq/Hk for the full-head partials). Stats are
+// per-token rows [tokens, Hq]; rig's lse [B,Hq,T] is converted to and from that layout around the
+// calls. The backward's softmax_sum is padded [n, Hq, S].
 #include "rig/ops/cuda/sdpa_cudnn.h"
 
 #ifdef RIG_WITH_CUDNN
@@ -103,20 +103,29 @@ Runs& runs_of(const Tensor& seg) {
   return r;
 }
 
+// Batch entries for n runs: the next power of two from 8. The entries past the runs are empty
+// (length 0, offsets at the end), so one plan serves every batch with up to that many runs;
+// building a plan costs 0.1-0.3 s, and each packed batch has its own run count.
+int64_t entries_for(int64_t n) {
+  int64_t e = 8;
+  while (e < n) e *= 2;
+  return e;
+}
+
 const Tensor& offsets_for(Runs& r, int64_t Hq, int64_t Hk, int64_t D, int dev) {
   Tensor& t = r.offsets[{Hq, Hk, D}];
   if (t.defined()) return t;
-  const int64_t n = int64_t(r.start.size());
+  const int64_t runs = int64_t(r.start.size()), n = entries_for(runs);
   Tensor h = Tensor::empty({4 * n + 3}, DType::I32, Device::cpu(), "ragged offsets");
   int32_t* p = h.data<int32_t>();
-  const int64_t tokens = n ? r.start.back() + r.len.back() : 0;
+  const int64_t tokens = runs ? r.start.back() + r.len.back() : 0;
   for (int64_t i = 0; i <= n; ++i) {
-    const int64_t tok = i < n ? r.start[size_t(i)] : tokens;
+    const int64_t tok = i < runs ? r.start[size_t(i)] : tokens;
     p[i] = int32_t(tok * Hq * D);
     p[n + 1 + i] = int32_t(tok * Hk * D);
     p[2 * (n + 1) + i] = int32_t(tok * Hq);
   }
-  for (int64_t i = 0; i < n; ++i) p[3 * (n + 1) + i] = r.len[size_t(i)];
+  for (int64_t i = 0; i < n; ++i) p[3 * (n + 1) + i] = i < runs ? r.len[size_t(i)] : 0;
   t = h.to(Device::cuda(dev), "ragged offsets");
   return t;
 }
@@ -207,8 +216,8 @@ std::unique_ptr<Graph> backward_graph(cudnnHandle_t h, const Packed& x) {
   Desc dV = g->tensor(kDV, bf, rows(x, x.Hk), rows_strides(x, x.Hk), false, false, c.kvoff);
   Desc scale = g->scalar(kScale), neg_inf = g->scalar(kNegInf), lowest = g->scalar(kLowest),
        one = g->scalar(kOne);
-  Desc softmax_sum = g->tensor(kSoftmaxSum, f32, {x.n, x.Hq, x.S, 1}, {x.S * x.Hq, 1, x.Hq, 1},
-                               false, false, c.toff);
+  // softmax_sum padded, not ragged: cuDNN then takes its dense dO·O kernel, 8× faster here.
+  Desc softmax_sum = g->tensor(kSoftmaxSum, f32, rd, rs, false);
   Desc dOO = g->virt(f32, rows(x, x.Hq), rows_strides(x, x.Hq));
   g->pointwise(CUDNN_POINTWISE_MUL, f32, dO, c.O, nullptr, dOO);
   Desc rsum = g->virt(f32, rd, rs);
@@ -293,7 +302,7 @@ Call prepare(const Tensor& q, const Tensor& k, const Tensor& seg,
   while (S < r.longest) S *= 2;
   if (!supported(D, S, dev, backward, why)) return {};
   Call c;
-  c.x = Packed{int64_t(r.start.size()), S, Hq, Hk, D};
+  c.x = Packed{entries_for(int64_t(r.start.size())), S, Hq, Hk, D};
   c.offsets = &offsets_for(r, Hq, Hk, D, dev);
   const Packed x = c.x;
   c.graph = cached_plan({dev, backward ? 11 : 10, x.n, x.S, Hq, Hk, D}, dev,
@@ -364,7 +373,8 @@ bool backward_packed(const Tensor& dout, const Tensor& q, const Tensor& k, const
   Tensor stats = Tensor::empty({B * T * Hq}, DType::F32, on, "cuDNN packed stats");
   RIG_CUDA_CHECK(k::lse_layout(lse.f32(), stats.f32(), int(B), int(T), int(Hq), true,
                                stream_for(dev)));
-  Tensor softmax_sum = Tensor::empty({B * T * Hq}, DType::F32, on, "cuDNN packed softmax sum");
+  Tensor softmax_sum =
+      Tensor::empty({c.x.n * Hq * c.x.S}, DType::F32, on, "cuDNN packed softmax sum");
   Tensor acc = Tensor::empty({B * T * Hq * D}, DType::F32, on, "cuDNN packed dq accumulator");
   std::vector<int64_t> uids{kQ,  kK,      kV,       kO,      kDO,  kStats,      kDQ,     kDK,
                             kDV, kScale,  kNegInf,  kLowest, kOne, kSoftmaxSum, kDQAccum};

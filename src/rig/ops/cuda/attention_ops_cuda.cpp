@@ -40,9 +40,9 @@ k::AttnDims attn_dims(const Tensor& q, const Tensor& k, const Tensor& v, const T
 namespace {
 
 // Which implementation runs attention: the RIG_ATTENTION environment variable (auto, cudnn,
-// flash, reference) or set_attention_impl; "auto" takes cuDNN (packed rows with head_dim above 64
-// as ragged batches, where the runtime has them), then rig's flash kernel, then the fp32 reference
-// kernel, each where it supports the call.
+// flash, reference) or set_attention_impl; "auto" takes cuDNN (packed rows with head_dim 96 and
+// up as ragged batches, where the runtime has them), then rig's flash kernel, then the fp32
+// reference kernel, each where it supports the call.
 std::string& impl_setting() {
   static std::string s = [] {
     const char* e = std::getenv("RIG_ATTENTION");
@@ -76,9 +76,10 @@ std::vector<Impl> candidates(const Tensor& q, const Tensor& seg, const k::AttnDi
   }
   RIG_CHECK(want == "auto", "RIG_ATTENTION={}: expected auto, cudnn, flash or reference", want);
   std::vector<Impl> c;
-  // Packed rows at head_dim 64: cuDNN's ragged batches measured 0.90-1.0× the flash kernel on the
-  // H200 (docs/perf-notes.md, session 10), so they go to the flash kernel; above 64, 1.35× / 1.15×.
-  if (bf16 && (!seg.defined() || d.D > 64)) c.push_back(Impl::Cudnn);
+  // Packed rows: cuDNN's ragged batches against the flash kernel on the H200 (docs/perf-notes.md,
+  // session 10), forward / backward: d64 0.90-1.0×, d80 0.99× / 0.98×, d96 1.21× / 1.03×, d128
+  // 1.35× / 1.15×. Below 96 the flash kernel keeps them.
+  if (bf16 && (!seg.defined() || d.D >= 96)) c.push_back(Impl::Cudnn);
   if (flash_ok) c.push_back(Impl::Flash);
   c.push_back(Impl::Reference);
   return c;

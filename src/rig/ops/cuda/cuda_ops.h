@@ -35,7 +35,7 @@ namespace rig::ops::cuda {
 // How many gemm_bias calls found no bias-epilogue algorithm and ran gemm + add_bias instead.
 int64_t gemm_bias_fallbacks();
 // Attention implementation: "auto" (default, or the RIG_ATTENTION environment variable): cuDNN's
-// fused SDPA where it supports the call (bf16; packed segments with head_dim above 64 as ragged
+// fused SDPA where it supports the call (bf16; packed segments with head_dim 96 and up as ragged
 // batches on cuDNN >= 9.6 with sm_90, >= 9.18.1 with sm_8x), else rig's tensor-core flash kernel
 // (bf16, head_dim 64/80/96/128, packed segments), else the fp32 reference kernel.
 // "cudnn", "flash" or "reference" force one (an error where it cannot run).

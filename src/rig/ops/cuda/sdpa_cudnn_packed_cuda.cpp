@@ -55,7 +55,7 @@ namespace {
 struct Runs {
   std::weak_ptr<void> storage;
   const void* data = nullptr;
-  int64_t numel = 0;
+  int64_t rows = 0, numel = 0;
   std::string why;  // non-empty: the rows cannot be ragged batches
   std::vector<int32_t> start, len;  // first token (b*T + t) and length of each run
   int64_t longest = 0;
@@ -72,12 +72,14 @@ bool same_storage(const std::weak_ptr<void>& a, const std::shared_ptr<void>& b) 
 Runs& runs_of(const Tensor& seg) {
   static thread_local std::deque<Runs> cache;
   for (Runs& r : cache)
-    if (same_storage(r.storage, seg.storage()) && r.data == seg.raw() && r.numel == seg.numel())
+    if (same_storage(r.storage, seg.storage()) && r.data == seg.raw() && r.rows == seg.dim(0) &&
+        r.numel == seg.numel())
       return r;
   if (cache.size() >= 4) cache.pop_back();
   Runs& r = cache.emplace_front();
   r.storage = seg.storage();
   r.data = seg.raw();
+  r.rows = seg.dim(0);
   r.numel = seg.numel();
   const Tensor host = seg.to(Device::cpu(), "segment ids");
   const int64_t B = seg.dim(0), T = seg.dim(1);

@@ -47,24 +47,6 @@ using namespace detail;
 
 namespace {
 
-struct Shape {
-  int64_t B, T, Hq, Hk, D;
-};
-
-// cuDNN's {B,H,T,D} view of a contiguous [B,T,H,D] tensor, and its Kᵀ-style transpose.
-Dims bhtd(const Shape& s, int64_t H) {
-  return {s.B, H, s.T, s.D};
-}
-Dims bhtd_strides(const Shape& s, int64_t H) {
-  return {s.T * H * s.D, s.D, H * s.D, 1};
-}
-Dims bhdt(const Shape& s, int64_t H) {
-  return {s.B, H, s.D, s.T};
-}
-Dims bhdt_strides(const Shape& s, int64_t H) {
-  return {s.T * H * s.D, s.D, 1, H * s.D};
-}
-
 std::unique_ptr<Graph> forward_graph(cudnnHandle_t h, const Shape& x) {
   auto g = std::make_unique<Graph>();
   const auto bf = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
@@ -82,20 +64,7 @@ std::unique_ptr<Graph> forward_graph(cudnnHandle_t h, const Shape& x) {
   Desc S2 = g->virt(f32, sd, ss);
   g->pointwise(CUDNN_POINTWISE_MUL, f32, S, scale, nullptr, S2);
   Desc S3 = g->causal(S2, neg_inf, sd, ss);
-  Desc M = g->virt(f32, rd, rs);
-  g->reduce(CUDNN_REDUCE_TENSOR_MAX, S3, M);
-  Desc Z = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_SUB, f32, S3, M, nullptr, Z);
-  Desc E = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_EXP, f32, Z, nullptr, nullptr, E);
-  Desc L = g->virt(f32, rd, rs);
-  g->reduce(CUDNN_REDUCE_TENSOR_ADD, E, L);
-  Desc logL = g->virt(f32, rd, rs);
-  g->pointwise(CUDNN_POINTWISE_LOG, f32, L, nullptr, nullptr, logL);
-  g->pointwise(CUDNN_POINTWISE_ADD, f32, M, logL, nullptr, stats);  // natural-log LSE
-  Desc P = g->virt(bf, sd, ss);  // the P·V product takes P in the I/O type
-  g->pointwise(CUDNN_POINTWISE_DIV, f32, E, L, nullptr, P);
-  g->matmul(P, V, O);
+  g->softmax_times_v(S3, V, O, stats, x);
   g->plan(h);
   return g;
 }

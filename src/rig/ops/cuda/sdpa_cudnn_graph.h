@@ -60,6 +60,25 @@ enum Uid : int64_t {
   kDVFull,
 };
 
+// B batch entries of T rows (packed rows: ragged entries of up to T rows); H heads of D.
+struct Shape {
+  int64_t B, T, Hq, Hk, D;
+};
+
+// cuDNN's {B,H,T,D} view of a contiguous [B,T,H,D] tensor, and its Kᵀ-style transpose.
+inline Dims bhtd(const Shape& s, int64_t H) {
+  return {s.B, H, s.T, s.D};
+}
+inline Dims bhtd_strides(const Shape& s, int64_t H) {
+  return {s.T * H * s.D, s.D, H * s.D, 1};
+}
+inline Dims bhdt(const Shape& s, int64_t H) {
+  return {s.B, H, s.D, s.T};
+}
+inline Dims bhdt_strides(const Shape& s, int64_t H) {
+  return {s.T * H * s.D, s.D, 1, H * s.D};
+}
+
 // Owns every descriptor of one graph; the plan references them, so they live as long as it.
 class Graph {
  public:
@@ -196,6 +215,26 @@ class Graph {
     pointwise(CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN, row_ok, col_ok, nullptr, keep);
     pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, score, lowest, keep, out);
     return out;
+  }
+
+  // O = softmax(scores)·V, and stats = the rows' natural-log LSE. len_q/len_kv: packed rows'
+  // per-entry lengths (the P·V product's M and K).
+  void softmax_times_v(Desc scores, Desc V, Desc O, Desc stats, const Shape& x,
+                       Desc len_q = nullptr, Desc len_kv = nullptr) {
+    const auto f32 = CUDNN_DATA_FLOAT;
+    const Dims sd{x.B, x.Hq, x.T, x.T}, ss{x.Hq * x.T * x.T, x.T * x.T, x.T, 1};
+    const Dims rd{x.B, x.Hq, x.T, 1}, rs{x.Hq * x.T, x.T, 1, 1};
+    Desc M = virt(f32, rd, rs), Z = virt(f32, sd, ss), E = virt(f32, sd, ss);
+    reduce(CUDNN_REDUCE_TENSOR_MAX, scores, M);
+    pointwise(CUDNN_POINTWISE_SUB, f32, scores, M, nullptr, Z);
+    pointwise(CUDNN_POINTWISE_EXP, f32, Z, nullptr, nullptr, E);
+    Desc L = virt(f32, rd, rs), logL = virt(f32, rd, rs);
+    reduce(CUDNN_REDUCE_TENSOR_ADD, E, L);
+    pointwise(CUDNN_POINTWISE_LOG, f32, L, nullptr, nullptr, logL);
+    pointwise(CUDNN_POINTWISE_ADD, f32, M, logL, nullptr, stats);
+    Desc P = virt(CUDNN_DATA_BFLOAT16, sd, ss);  // the P·V product takes P in the I/O type
+    pointwise(CUDNN_POINTWISE_DIV, f32, E, L, nullptr, P);
+    matmul(P, V, O, len_q, nullptr, len_kv);
   }
 
   // Operation graph -> heuristics (mode A, then the fallback list) -> the first config whose

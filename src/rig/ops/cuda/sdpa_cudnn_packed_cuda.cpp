@@ -132,108 +132,74 @@ const Tensor& offsets_for(Runs& r, int64_t Hq, int64_t Hk, int64_t D, int dev) {
   return t;
 }
 
-// n entries of S rows; H heads of D.
-struct Packed {
-  int64_t n, S, Hq, Hk, D;
-};
-Dims rows(const Packed& x, int64_t H) {
-  return {x.n, H, x.S, x.D};
-}
-Dims rows_strides(const Packed& x, int64_t H) {
-  return {x.S * H * x.D, x.D, H * x.D, 1};
-}
-Dims rows_t(const Packed& x, int64_t H) {
-  return {x.n, H, x.D, x.S};
-}
-Dims rows_t_strides(const Packed& x, int64_t H) {
-  return {x.S * H * x.D, x.D, 1, H * x.D};
-}
-
-// The tensors both graphs start from: offsets, lengths, Q, Kᵀ, O and Stats.
+// The tensors both graphs start from: offsets, lengths, Q, Kᵀ, O, Stats and the scale.
 struct Common {
-  Desc qoff, kvoff, toff, len_q, len_kv, Q, Kt, O, stats;
+  Desc qoff, kvoff, toff, len_q, len_kv, Q, Kt, O, stats, scale;
 };
-Common common(Graph& g, const Packed& x) {
+Common common(Graph& g, const Shape& x) {
   const auto bf = CUDNN_DATA_BFLOAT16, i32 = CUDNN_DATA_INT32;
   Common c;
-  const Dims off_d{x.n + 1, 1, 1, 1}, len_d{x.n, 1, 1, 1}, unit{1, 1, 1, 1};
+  const Dims off_d{x.B + 1, 1, 1, 1}, len_d{x.B, 1, 1, 1}, unit{1, 1, 1, 1};
   c.qoff = g.tensor(kQOffsets, i32, off_d, unit, false);
   c.kvoff = g.tensor(kKVOffsets, i32, off_d, unit, false);
   c.toff = g.tensor(kStatsOffsets, i32, off_d, unit, false);
   c.len_q = g.tensor(kSeqLen, i32, len_d, unit, false);
   c.len_kv = g.tensor(kSeqLenKV, i32, len_d, unit, false);
-  c.Q = g.tensor(kQ, bf, rows(x, x.Hq), rows_strides(x, x.Hq), false, false, c.qoff);
-  c.Kt = g.tensor(kK, bf, rows_t(x, x.Hk), rows_t_strides(x, x.Hk), false, false, c.kvoff);
-  c.O = g.tensor(kO, bf, rows(x, x.Hq), rows_strides(x, x.Hq), false, false, c.qoff);
-  c.stats = g.tensor(kStats, CUDNN_DATA_FLOAT, {x.n, x.Hq, x.S, 1}, {x.S * x.Hq, 1, x.Hq, 1},
-                     false, false, c.toff);
+  c.Q = g.tensor(kQ, bf, bhtd(x, x.Hq), bhtd_strides(x, x.Hq), false, false, c.qoff);
+  c.Kt = g.tensor(kK, bf, bhdt(x, x.Hk), bhdt_strides(x, x.Hk), false, false, c.kvoff);
+  c.O = g.tensor(kO, bf, bhtd(x, x.Hq), bhtd_strides(x, x.Hq), false, false, c.qoff);
+  c.stats = g.tensor(kStats, CUDNN_DATA_FLOAT, {x.B, x.Hq, x.T, 1}, {x.T * x.Hq, 1, x.Hq, 1}, false,
+                     false, c.toff);
+  c.scale = g.scalar(kScale);
   return c;
 }
 
-std::unique_ptr<Graph> forward_graph(cudnnHandle_t h, const Packed& x) {
-  auto g = std::make_unique<Graph>();
-  const auto bf = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
-  const Dims sd{x.n, x.Hq, x.S, x.S}, ss{x.Hq * x.S * x.S, x.S * x.S, x.S, 1};
-  const Dims rd{x.n, x.Hq, x.S, 1}, rs{x.Hq * x.S, x.S, 1, 1};
-  const Common c = common(*g, x);
-  Desc V = g->tensor(kV, bf, rows(x, x.Hk), rows_strides(x, x.Hk), false, false, c.kvoff);
-  Desc scale = g->scalar(kScale), neg_inf = g->scalar(kNegInf), lowest = g->scalar(kLowest);
+// scale·Q·Kᵀ, each entry's padded tail and the causal upper triangle masked.
+Desc masked_scores(Graph& g, const Common& c, const Shape& x) {
+  const auto f32 = CUDNN_DATA_FLOAT;
+  const Dims sd{x.B, x.Hq, x.T, x.T}, ss{x.Hq * x.T * x.T, x.T * x.T, x.T, 1};
+  Desc S = g.virt(f32, sd, ss), S2 = g.virt(f32, sd, ss);
+  g.matmul(c.Q, c.Kt, S, c.len_q, c.len_kv);
+  g.pointwise(CUDNN_POINTWISE_MUL, f32, S, c.scale, nullptr, S2);
+  Desc S3 = g.padding(S2, c.len_q, c.len_kv, g.scalar(kLowest), sd, ss);
+  return g.causal(S3, g.scalar(kNegInf), sd, ss);
+}
 
-  Desc S = g->virt(f32, sd, ss);
-  g->matmul(c.Q, c.Kt, S, c.len_q, c.len_kv);
-  Desc S2 = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_MUL, f32, S, scale, nullptr, S2);
-  Desc S3 = g->padding(S2, c.len_q, c.len_kv, lowest, sd, ss);
-  Desc S4 = g->causal(S3, neg_inf, sd, ss);
-  Desc M = g->virt(f32, rd, rs);
-  g->reduce(CUDNN_REDUCE_TENSOR_MAX, S4, M);
-  Desc Z = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_SUB, f32, S4, M, nullptr, Z);
-  Desc E = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_EXP, f32, Z, nullptr, nullptr, E);
-  Desc L = g->virt(f32, rd, rs);
-  g->reduce(CUDNN_REDUCE_TENSOR_ADD, E, L);
-  Desc logL = g->virt(f32, rd, rs);
-  g->pointwise(CUDNN_POINTWISE_LOG, f32, L, nullptr, nullptr, logL);
-  g->pointwise(CUDNN_POINTWISE_ADD, f32, M, logL, nullptr, c.stats);
-  Desc P = g->virt(bf, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_DIV, f32, E, L, nullptr, P);
-  g->matmul(P, V, c.O, c.len_q, nullptr, c.len_kv);
+std::unique_ptr<Graph> forward_graph(cudnnHandle_t h, const Shape& x) {
+  auto g = std::make_unique<Graph>();
+  const Common c = common(*g, x);
+  Desc V = g->tensor(kV, CUDNN_DATA_BFLOAT16, bhtd(x, x.Hk), bhtd_strides(x, x.Hk), false, false,
+                     c.kvoff);
+  g->softmax_times_v(masked_scores(*g, c, x), V, c.O, c.stats, x, c.len_q, c.len_kv);
   g->plan(h);
   return g;
 }
 
-std::unique_ptr<Graph> backward_graph(cudnnHandle_t h, const Packed& x) {
+std::unique_ptr<Graph> backward_graph(cudnnHandle_t h, const Shape& x) {
   auto g = std::make_unique<Graph>();
   const auto bf = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
-  const Dims sd{x.n, x.Hq, x.S, x.S}, ss{x.Hq * x.S * x.S, x.S * x.S, x.S, 1};
-  const Dims ts{x.Hq * x.S * x.S, x.S * x.S, 1, x.S};
-  const Dims rd{x.n, x.Hq, x.S, 1}, rs{x.Hq * x.S, x.S, 1, 1};
+  const Dims sd{x.B, x.Hq, x.T, x.T}, ss{x.Hq * x.T * x.T, x.T * x.T, x.T, 1};
+  const Dims ts{x.Hq * x.T * x.T, x.T * x.T, 1, x.T};
+  const Dims rd{x.B, x.Hq, x.T, 1}, rs{x.Hq * x.T, x.T, 1, 1};
   const bool gqa = x.Hq != x.Hk;
   const Common c = common(*g, x);
-  Desc Vt = g->tensor(kV, bf, rows_t(x, x.Hk), rows_t_strides(x, x.Hk), false, false, c.kvoff);
-  Desc dO = g->tensor(kDO, bf, rows(x, x.Hq), rows_strides(x, x.Hq), false, false, c.qoff);
-  Desc dQ = g->tensor(kDQ, bf, rows(x, x.Hq), rows_strides(x, x.Hq), false, false, c.qoff);
-  Desc dK = g->tensor(kDK, bf, rows(x, x.Hk), rows_strides(x, x.Hk), false, false, c.kvoff);
-  Desc dV = g->tensor(kDV, bf, rows(x, x.Hk), rows_strides(x, x.Hk), false, false, c.kvoff);
-  Desc scale = g->scalar(kScale), neg_inf = g->scalar(kNegInf), lowest = g->scalar(kLowest),
-       one = g->scalar(kOne);
+  Desc Vt = g->tensor(kV, bf, bhdt(x, x.Hk), bhdt_strides(x, x.Hk), false, false, c.kvoff);
+  Desc dO = g->tensor(kDO, bf, bhtd(x, x.Hq), bhtd_strides(x, x.Hq), false, false, c.qoff);
+  Desc dQ = g->tensor(kDQ, bf, bhtd(x, x.Hq), bhtd_strides(x, x.Hq), false, false, c.qoff);
+  Desc dK = g->tensor(kDK, bf, bhtd(x, x.Hk), bhtd_strides(x, x.Hk), false, false, c.kvoff);
+  Desc dV = g->tensor(kDV, bf, bhtd(x, x.Hk), bhtd_strides(x, x.Hk), false, false, c.kvoff);
+  Desc one = g->scalar(kOne);
   // softmax_sum padded, not ragged: cuDNN then takes its dense dO·O kernel, 8× faster here.
   Desc softmax_sum = g->tensor(kSoftmaxSum, f32, rd, rs, false);
-  Desc dOO = g->virt(f32, rows(x, x.Hq), rows_strides(x, x.Hq));
+  Desc dOO = g->virt(f32, bhtd(x, x.Hq), bhtd_strides(x, x.Hq));
   g->pointwise(CUDNN_POINTWISE_MUL, f32, dO, c.O, nullptr, dOO);
   Desc rsum = g->virt(f32, rd, rs);
   g->reduce(CUDNN_REDUCE_TENSOR_ADD, dOO, rsum);
   g->pointwise(CUDNN_POINTWISE_MUL, f32, rsum, one, nullptr, softmax_sum);
-  // P = exp(scale * Q Kᵀ (padded, causal) - stats)
-  Desc S = g->virt(f32, sd, ss);
-  g->matmul(c.Q, c.Kt, S, c.len_q, c.len_kv);
-  Desc S2 = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_MUL, f32, S, scale, nullptr, S2);
-  Desc S3 = g->padding(S2, c.len_q, c.len_kv, lowest, sd, ss);
-  Desc S4 = g->causal(S3, neg_inf, sd, ss);
+  // P = exp(masked scores - stats)
+  Desc scores = masked_scores(*g, c, x);
   Desc S5 = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_SUB, f32, S4, c.stats, nullptr, S5);
+  g->pointwise(CUDNN_POINTWISE_SUB, f32, scores, c.stats, nullptr, S5);
   Desc P = g->virt(f32, sd, ss);
   g->pointwise(CUDNN_POINTWISE_EXP, f32, S5, nullptr, nullptr, P);
   // dV = Pᵀ dO; with grouped heads through a full-head partial that cuDNN reduces.
@@ -242,7 +208,7 @@ std::unique_ptr<Graph> backward_graph(cudnnHandle_t h, const Packed& x) {
   auto grad_kv = [&](Desc lhs, Desc rhs, Desc out, Uid full_uid) {
     if (!gqa) return g->matmul(lhs, rhs, out, c.len_kv, nullptr, c.len_q);
     Desc full =
-        g->tensor(full_uid, bf, rows(x, x.Hq), rows_strides(x, x.Hq), false, false, c.kvoff);
+        g->tensor(full_uid, bf, bhtd(x, x.Hq), bhtd_strides(x, x.Hq), false, false, c.kvoff);
     g->matmul(lhs, rhs, full, c.len_kv, nullptr, c.len_q);
     g->reduce(CUDNN_REDUCE_TENSOR_ADD, full, out);
   };
@@ -255,15 +221,15 @@ std::unique_ptr<Graph> backward_graph(cudnnHandle_t h, const Packed& x) {
   Desc dP3 = g->virt(f32, sd, ss);
   g->pointwise(CUDNN_POINTWISE_MUL, f32, dP2, P, nullptr, dP3);
   Desc dS = g->virt(f32, sd, ss);
-  g->pointwise(CUDNN_POINTWISE_MUL, f32, dP3, scale, nullptr, dS);
+  g->pointwise(CUDNN_POINTWISE_MUL, f32, dP3, c.scale, nullptr, dS);
   // dK = dSᵀ Q
   Desc dSt = g->virt(bf, sd, ts);
   g->reshape(dS, dSt);
   grad_kv(dSt, c.Q, dK, kDKFull);
   // dQ = dS K, through the fp32 accumulator (the nondeterministic, workspace-free algorithm).
-  Desc K = g->virt(bf, rows(x, x.Hk), rows_strides(x, x.Hk));
+  Desc K = g->virt(bf, bhtd(x, x.Hk), bhtd_strides(x, x.Hk));
   g->reshape(c.Kt, K);
-  Desc acc = g->tensor(kDQAccum, f32, rows(x, x.Hq), rows_strides(x, x.Hq), false, false, c.qoff);
+  Desc acc = g->tensor(kDQAccum, f32, bhtd(x, x.Hq), bhtd_strides(x, x.Hq), false, false, c.qoff);
   g->matmul(dS, K, acc, c.len_q, nullptr, c.len_kv);
   g->pointwise(CUDNN_POINTWISE_IDENTITY, f32, acc, nullptr, nullptr, dQ);
   g->plan(h);
@@ -274,7 +240,7 @@ std::unique_ptr<Graph> backward_graph(cudnnHandle_t h, const Packed& x) {
 // cannot take the call.
 struct Call {
   Graph* graph = nullptr;
-  Packed x{};
+  Shape x{};
   const Tensor* offsets = nullptr;
 };
 Call prepare(const Tensor& q, const Tensor& k, const Tensor& seg,
@@ -304,21 +270,19 @@ Call prepare(const Tensor& q, const Tensor& k, const Tensor& seg,
   while (S < r.longest) S *= 2;
   if (!supported(D, S, dev, backward, why)) return {};
   Call c;
-  c.x = Packed{entries_for(int64_t(r.start.size())), S, Hq, Hk, D};
+  c.x = Shape{entries_for(int64_t(r.start.size())), S, Hq, Hk, D};
   c.offsets = &offsets_for(r, Hq, Hk, D, dev);
-  const Packed x = c.x;
-  c.graph = cached_plan({dev, backward ? 11 : 10, x.n, x.S, Hq, Hk, D}, dev,
-                        [&](cudnnHandle_t h) {
-                          return backward ? backward_graph(h, x) : forward_graph(h, x);
-                        },
-                        why);
+  const Shape x = c.x;
+  c.graph = cached_plan(
+      {dev, backward ? 11 : 10, x.B, x.T, Hq, Hk, D}, dev,
+      [&](cudnnHandle_t h) { return backward ? backward_graph(h, x) : forward_graph(h, x); }, why);
   return c;
 }
 
 // The variant pack's offsets and lengths: views into the one offsets tensor.
 void add_offsets(const Call& c, std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
   int32_t* p = c.offsets->data<int32_t>();
-  const int64_t n = c.x.n;
+  const int64_t n = c.x.B;
   uids.insert(uids.end(), {kQOffsets, kKVOffsets, kStatsOffsets, kSeqLen, kSeqLenKV});
   ptrs.insert(ptrs.end(), {p, p + (n + 1), p + 2 * (n + 1), p + 3 * (n + 1), p + 3 * (n + 1)});
 }
@@ -376,7 +340,7 @@ bool backward_packed(const Tensor& dout, const Tensor& q, const Tensor& k, const
   RIG_CUDA_CHECK(k::lse_layout(lse.f32(), stats.f32(), int(B), int(T), int(Hq), true,
                                stream_for(dev)));
   Tensor softmax_sum =
-      Tensor::empty({c.x.n * Hq * c.x.S}, DType::F32, on, "cuDNN packed softmax sum");
+      Tensor::empty({c.x.B * Hq * c.x.T}, DType::F32, on, "cuDNN packed softmax sum");
   Tensor acc = Tensor::empty({B * T * Hq * D}, DType::F32, on, "cuDNN packed dq accumulator");
   std::vector<int64_t> uids{kQ,  kK,      kV,       kO,      kDO,  kStats,      kDQ,     kDK,
                             kDV, kScale,  kNegInf,  kLowest, kOne, kSoftmaxSum, kDQAccum};

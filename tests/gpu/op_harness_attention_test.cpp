@@ -159,6 +159,23 @@ TEST(OpHarness, AttentionCudnnPacked) {
   for (size_t i = 0; i < halves.size(); ++i) halves[i] = int64_t(i % 200 >= 120);
   const Tensor layouts[] = {segments(2, 200), test::ints(halves, {2, 200})};
   for (const Tensor& seg : layouts) check_attention("cudnn", shape, DType::BF16, g, true, &seg);
+  // One seg storage read as [2, 100], then as [1, 200]: two runs, then one run over both rows.
+  ImplScope scope("cudnn");
+  const Tensor dseg = gpu(test::ints(std::vector<int64_t>(200, 0), {2, 100}));
+  const Tensor q = rounded(randn({2, 100, 4, 64}, g), DType::BF16);
+  const Tensor k = rounded(randn({2, 100, 2, 64}, g), DType::BF16);
+  const Tensor v = rounded(randn({2, 100, 2, 64}, g), DType::BF16);
+  for (const int64_t B : {2, 1}) {
+    const int64_t T = 200 / B;
+    const Tensor qb = q.reshape({B, T, 4, 64}), kb = k.reshape({B, T, 2, 64}),
+                 vb = v.reshape({B, T, 2, 64});
+    Tensor out = Tensor::empty(qb.shape(), DType::F32), lse = Tensor::empty({B, 4, T}, DType::F32);
+    ops::attention_forward(qb, kb, vb, test::ints(std::vector<int64_t>(200, 0), {B, T}), out, lse);
+    Tensor dout = gpu(nans(qb.shape()), DType::BF16), dlse = gpu(nans({B, 4, T}));
+    ops::attention_forward(gpu(qb, DType::BF16), gpu(kb, DType::BF16), gpu(vb, DType::BF16),
+                           dseg.reshape({B, T}), dout, dlse);
+    EXPECT_CLOSE(host(dout), out, DType::BF16, fmt::format("one seg storage as [{}, {}]", B, T));
+  }
 }
 
 TEST(OpHarness, AttentionFlash) {

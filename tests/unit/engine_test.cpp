@@ -14,6 +14,7 @@
 #include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
 #include "rig/model/llama.h"
+#include "rig/ops/segment_runs.h"
 #include "rig/optim/adamw.h"
 #include "test_util.h"
 
@@ -321,4 +322,18 @@ TEST(Engine, MistralSlidingWindowIsAClearError) {
   EXPECT_NO_THROW(m->decode(cache, {1, 2, 3}));
   EXPECT_NO_THROW(m->decode(cache, {4}));
   EXPECT_THROW(m->decode(cache, {5}), InputError);
+}
+
+// The runs the model renumbers segments by and cuDNN's packed attention batches: a run ends where
+// the id changes or the row does, and an id that comes back after another is reported.
+TEST(Engine, SegmentRunsSplitAtIdChangesAndRowEnds) {
+  const std::vector<int64_t> ids{1, 1, 2, 2, 2, 0,   // row 0: runs of 2, 3, 1
+                                 0, 0, 0, 0, 0, 0};  // row 1: one run; same id as row 0's end
+  const ops::SegmentRuns r = ops::segment_runs(ids.data(), 2, 6);
+  EXPECT_EQ(r.start, (std::vector<int64_t>{0, 2, 5, 6}));
+  EXPECT_EQ(r.len, (std::vector<int64_t>{2, 3, 1, 6}));
+  EXPECT_TRUE(r.repeat.empty());
+  const std::vector<int64_t> back{3, 3, 3, 4, 4, 3};
+  const ops::SegmentRuns bad = ops::segment_runs(back.data(), 1, 6);
+  EXPECT_EQ(bad.repeat, "segment id 3 comes back after another in row 0");
 }

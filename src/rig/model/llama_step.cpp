@@ -5,6 +5,7 @@
 
 #include "rig/model/llama_parts.h"
 #include "rig/model/loss_chunk.h"
+#include "rig/ops/segment_runs.h"
 
 namespace rig {
 
@@ -202,25 +203,17 @@ namespace {
 Tensor attention_segments(const Tensor& seg) {
   if (!seg.defined()) return seg;
   const int64_t B = seg.dim(0), T = seg.dim(1);
-  const int64_t* s = seg.data<int64_t>();
-  Tensor runs = Tensor::empty(seg.shape(), DType::I64, Device::cpu(), "segment runs");
-  int64_t* r = runs.data<int64_t>();
-  bool single = true;
-  for (int64_t b = 0; b < B; ++b) {
-    std::vector<int64_t> seen;
-    int64_t run = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t i = b * T + t;
-      if (t > 0 && s[i] != s[i - 1]) {
-        if (std::find(seen.begin(), seen.end(), s[i]) != seen.end()) return seg;
-        ++run;
-      }
-      if (t == 0 || s[i] != s[i - 1]) seen.push_back(s[i]);
-      r[i] = run;
-    }
-    single = single && run == 0;
+  const ops::SegmentRuns runs = ops::segment_runs(seg.data<int64_t>(), B, T);
+  if (!runs.repeat.empty()) return seg;
+  if (int64_t(runs.start.size()) == B) return Tensor();  // one run a row
+  Tensor numbered = Tensor::empty(seg.shape(), DType::I64, Device::cpu(), "segment runs");
+  int64_t* r = numbered.data<int64_t>();
+  int64_t run = 0;
+  for (size_t j = 0; j < runs.start.size(); ++j) {
+    run = runs.start[j] % T == 0 ? 0 : run + 1;
+    std::fill_n(r + runs.start[j], runs.len[j], run);
   }
-  return single ? Tensor() : runs;
+  return numbered;
 }
 
 // The batch's shapes, and its token ids and labels against the vocabulary (on the host).

@@ -19,14 +19,14 @@ bool backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
               const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
               bool deterministic, std::string* why);
 
+// Whether this runtime and GPU run packed rows as ragged batches (else *why).
+bool ragged_supported(int dev, std::string* why);
 // Packed rows (seg [B,T] I64 on the GPU): each maximal run of one segment id in a row becomes one
 // of cuDNN's ragged batch entries, causal from the run's first token. Declines (false, *why) where
 // the runtime or GPU has no ragged support, where an id comes back after another in the same row,
 // and, for backward, in deterministic mode (the flash kernel is deterministic and needs no
 // n·Hq·S² workspace). The run table is read to the host once per seg storage and kept: segment
 // ids must not be rewritten in place.
-// Whether this runtime and GPU run packed rows as ragged batches (else *why).
-bool ragged_supported(int dev, std::string* why);
 bool forward_packed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
                     Tensor& out, Tensor& lse, std::string* why);
 bool backward_packed(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,

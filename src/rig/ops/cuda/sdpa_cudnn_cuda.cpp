@@ -158,16 +158,7 @@ Graph* prepare(const Tensor& q, const Tensor& k, std::initializer_list<const Ten
                int variant, bool deterministic, std::string* why) {
   const int dev = q.device().index;
   const Shape x = shape_of(q, k);
-  if (q.dtype() != DType::BF16) {
-    *why = "cuDNN's fused attention runs bf16 only";
-    return nullptr;
-  }
-  if (!supported(x.D, x.T, dev, variant == 1, why)) return nullptr;
-  for (const Tensor* t : io)
-    if (!aligned(*t)) {
-      *why = "a tensor is not 16-byte aligned";
-      return nullptr;
-    }
+  if (!bf16_aligned(q, io, why) || !supported(x.D, x.T, dev, variant == 1, why)) return nullptr;
   return cached_plan({dev, variant, deterministic, x.B, x.T, x.Hq, x.Hk, x.D}, dev,
                      [&](cudnnHandle_t h) {
                        return variant == 0 ? forward_graph(h, x)
@@ -260,8 +251,17 @@ bool supported(int64_t D, int64_t T, int dev, bool backward, std::string* why) {
   return true;
 }
 
-bool aligned(const Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0;
+bool bf16_aligned(const Tensor& q, std::initializer_list<const Tensor*> io, std::string* why) {
+  if (q.dtype() != DType::BF16) {
+    *why = "cuDNN's fused attention runs bf16 only";
+    return false;
+  }
+  for (const Tensor* t : io)
+    if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) {
+      *why = "a tensor is not 16-byte aligned";
+      return false;
+    }
+  return true;
 }
 
 Tensor workspace(int64_t bytes, int dev) {

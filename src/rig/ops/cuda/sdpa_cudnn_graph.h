@@ -6,6 +6,7 @@
 #include <cudnn.h>
 
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -329,7 +330,8 @@ Graph* cached_plan(const std::vector<int64_t>& key, int dev,
                    std::string* why);
 // The runtime/GPU/head-dim limits both graphs share (cuDNN's support matrix).
 bool supported(int64_t D, int64_t T, int dev, bool backward, std::string* why);
-bool aligned(const Tensor& t);
+// q is bf16 and every tensor of io starts on 16 bytes (else *why).
+bool bf16_aligned(const Tensor& q, std::initializer_list<const Tensor*> io, std::string* why);
 Tensor workspace(int64_t bytes, int dev);
 
 }  // namespace rig::ops::cuda::sdpa_cudnn::detail

@@ -23,6 +23,7 @@
 #include "rig/ops/cuda/context.h"
 #include "rig/ops/cuda/launch.h"
 #include "rig/ops/cuda/sdpa_cudnn_graph.h"
+#include "rig/ops/segment_runs.h"
 #endif
 
 namespace rig::ops::cuda::sdpa_cudnn {
@@ -48,6 +49,8 @@ bool backward_packed(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
 #else
 
 using namespace detail;
+using ops::segment_runs;
+using ops::SegmentRuns;
 
 namespace {
 
@@ -56,8 +59,7 @@ struct Runs {
   std::weak_ptr<void> storage;
   const void* data = nullptr;
   int64_t rows = 0, numel = 0;
-  std::string why;  // non-empty: the rows cannot be ragged batches
-  std::vector<int32_t> start, len;  // first token (b*T + t) and length of each run
+  SegmentRuns runs;  // runs.repeat non-empty: the rows cannot be ragged batches
   int64_t longest = 0;
   // (Hq, Hk, D) -> I32 [q offsets (n+1) | kv offsets (n+1) | stats offsets (n+1) | lengths (n)]
   std::map<std::array<int64_t, 3>, Tensor> offsets;
@@ -82,26 +84,8 @@ Runs& runs_of(const Tensor& seg) {
   r.rows = seg.dim(0);
   r.numel = seg.numel();
   const Tensor host = seg.to(Device::cpu(), "segment ids");
-  const int64_t B = seg.dim(0), T = seg.dim(1);
-  const int64_t* s = host.data<int64_t>();
-  for (int64_t b = 0; b < B && r.why.empty(); ++b) {
-    std::vector<int64_t> seen;
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t id = s[b * T + t];
-      if (t > 0 && id == s[b * T + t - 1]) {
-        ++r.len.back();
-        continue;
-      }
-      if (std::find(seen.begin(), seen.end(), id) != seen.end()) {
-        r.why = fmt::format("segment id {} comes back after another in row {}", id, b);
-        break;
-      }
-      seen.push_back(id);
-      r.start.push_back(int32_t(b * T + t));
-      r.len.push_back(1);
-    }
-  }
-  for (int32_t l : r.len) r.longest = std::max<int64_t>(r.longest, l);
+  r.runs = segment_runs(host.data<int64_t>(), seg.dim(0), seg.dim(1));
+  for (int64_t l : r.runs.len) r.longest = std::max(r.longest, l);
   return r;
 }
 
@@ -117,17 +101,18 @@ int64_t entries_for(int64_t n) {
 const Tensor& offsets_for(Runs& r, int64_t Hq, int64_t Hk, int64_t D, int dev) {
   Tensor& t = r.offsets[{Hq, Hk, D}];
   if (t.defined()) return t;
-  const int64_t runs = int64_t(r.start.size()), n = entries_for(runs);
+  const std::vector<int64_t>&start = r.runs.start, &len = r.runs.len;
+  const int64_t runs = int64_t(start.size()), n = entries_for(runs);
   Tensor h = Tensor::empty({4 * n + 3}, DType::I32, Device::cpu(), "ragged offsets");
   int32_t* p = h.data<int32_t>();
-  const int64_t tokens = runs ? r.start.back() + r.len.back() : 0;
+  const int64_t tokens = runs ? start.back() + len.back() : 0;
   for (int64_t i = 0; i <= n; ++i) {
-    const int64_t tok = i < runs ? r.start[size_t(i)] : tokens;
+    const int64_t tok = i < runs ? start[size_t(i)] : tokens;
     p[i] = int32_t(tok * Hq * D);
     p[n + 1 + i] = int32_t(tok * Hk * D);
     p[2 * (n + 1) + i] = int32_t(tok * Hq);
   }
-  for (int64_t i = 0; i < n; ++i) p[3 * (n + 1) + i] = i < runs ? r.len[size_t(i)] : 0;
+  for (int64_t i = 0; i < n; ++i) p[3 * (n + 1) + i] = i < runs ? int32_t(len[size_t(i)]) : 0;
   t = h.to(Device::cuda(dev), "ragged offsets");
   return t;
 }
@@ -246,31 +231,22 @@ struct Call {
 Call prepare(const Tensor& q, const Tensor& k, const Tensor& seg,
              std::initializer_list<const Tensor*> io, bool backward, std::string* why) {
   const int dev = q.device().index;
-  if (q.dtype() != DType::BF16) {
-    *why = "cuDNN's fused attention runs bf16 only";
-    return {};
-  }
-  if (!ragged_supported(dev, why)) return {};
+  if (!bf16_aligned(q, io, why) || !ragged_supported(dev, why)) return {};
   const int64_t B = q.dim(0), T = q.dim(1), Hq = q.dim(2), Hk = k.dim(2), D = q.dim(3);
   if (B * T * Hq * D >= (int64_t(1) << 31)) {
     *why = "the batch has too many elements for cuDNN's 32-bit ragged offsets";
     return {};
   }
-  for (const Tensor* t : io)
-    if (!aligned(*t)) {
-      *why = "a tensor is not 16-byte aligned";
-      return {};
-    }
   Runs& r = runs_of(seg);
-  if (!r.why.empty()) {
-    *why = r.why;
+  if (!r.runs.repeat.empty()) {
+    *why = r.runs.repeat;
     return {};
   }
   int64_t S = 64;
   while (S < r.longest) S *= 2;
   if (!supported(D, S, dev, backward, why)) return {};
   Call c;
-  c.x = Shape{entries_for(int64_t(r.start.size())), S, Hq, Hk, D};
+  c.x = Shape{entries_for(int64_t(r.runs.start.size())), S, Hq, Hk, D};
   c.offsets = &offsets_for(r, Hq, Hk, D, dev);
   const Shape x = c.x;
   c.graph = cached_plan(

@@ -195,6 +195,7 @@ int run(const Opts& o) {
   const rig::TrainConfig cfg = train_config(o);
   std::unique_ptr<rig::LlamaModel> m = rig::build_model(cfg);
   rig::place_model(*m, cfg, dev, precision);
+  m->materialize_4bit(dev);  // QLoRA on a random model: the 4-bit codes drawn onto the device
   const auto& mc = m->config();
   rig::AdamW opt(rig::optimizer_config(cfg, false));
   rig::TrainStepOptions so = rig::train_step_options(cfg, 0);

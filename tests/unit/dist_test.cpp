@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "rig/dist/communicator.h"
 #include "rig/dist/env.h"
 #include "rig/dist/store.h"
 
@@ -252,4 +253,40 @@ TEST(DistStore, BarrierAcrossThreads) {
     });
   for (auto& t : ts) t.join();
   EXPECT_TRUE(ok);
+}
+
+// Ranks and GPUs: one GPU each takes NCCL; more ranks than GPUs share them through Gloo staged in
+// host memory; NCCL asked for on shared GPUs is a clear error.
+TEST(Placement, RanksShareGpusWhenTheNodeHasMoreRanksThanGpus) {
+  using rig::dist::Backend;
+  rig::dist::DistEnv e;
+  e.world = e.local_world = 4;
+  e.local_rank = 3;
+  auto cpu = rig::dist::place_rank(e, 0);
+  EXPECT_TRUE(cpu.device.is_cpu());
+  EXPECT_EQ(cpu.backend, Backend::Gloo);
+  EXPECT_FALSE(cpu.staged());
+  auto four = rig::dist::place_rank(e, 4);
+  EXPECT_EQ(four.device, rig::Device::cuda(3));
+  EXPECT_EQ(four.ranks_per_gpu, 1);
+  EXPECT_EQ(four.backend, rig::dist::nccl_built() ? Backend::Nccl : Backend::Gloo);
+  auto one = rig::dist::place_rank(e, 1);
+  EXPECT_EQ(one.device, rig::Device::cuda(0));
+  EXPECT_EQ(one.ranks_per_gpu, 4);
+  EXPECT_TRUE(one.staged());
+  EXPECT_NE(one.describe(4).find("4 ranks share 1 GPU(s)"), std::string::npos) << one.describe(4);
+  auto two = rig::dist::place_rank(e, 2);
+  EXPECT_EQ(two.device, rig::Device::cuda(1));
+  EXPECT_EQ(two.ranks_per_gpu, 2);
+  EXPECT_TRUE(two.staged());
+  auto gloo = rig::dist::place_rank(e, 4, "gloo");
+  EXPECT_TRUE(gloo.staged());
+  try {
+    rig::dist::place_rank(e, 2, "nccl");
+    FAIL() << "NCCL on shared GPUs was accepted";
+  } catch (const rig::InputError& err) {
+    EXPECT_NE(std::string(err.what()).find("NCCL takes one rank per GPU"), std::string::npos)
+        << err.what();
+  }
+  EXPECT_THROW(rig::dist::place_rank(e, 0, "nccl"), rig::InputError);
 }

@@ -177,6 +177,25 @@ TEST(Parallel, ShardedQloraGuardSkipsANanStepAndReloadsFlippedFrozenShards) {
   EXPECT_NE(log.find("a byte of frozen 4-bit weights"), std::string::npos);
 }
 
+// A random QLoRA model (init: random) draws its 4-bit codes per byte: sharded ranks draw only
+// their own bytes and must end with the very weights one process draws whole.
+TEST(Parallel, ShardedRandomQloraRanksDrawTheirOwnBytesOfTheSameModel) {
+  const std::string base = test::temp_dir("par_random_qlora");
+  const int64_t steps = 4;
+  auto cfg = [&](const std::string& out, const std::string& strategy, int world) {
+    return tiny(out, "qlora", strategy, world, steps, 2, 8, {"init=random"});
+  };
+  train_one(cfg(base + "/one", "sharded", 1));
+  train_ranks(2, [&](int) { return cfg(base + "/two", "sharded", 2); });
+  train_ranks(4, [&](int) { return cfg(base + "/four", "sharded", 4); });
+  train_ranks(2, [&](int) { return cfg(base + "/ddp", "ddp", 2); });
+  for (const char* run : {"/two", "/four", "/ddp"})
+    expect_close_runs(base + "/one", base + run, "qlora", size_t(steps), abs_tolerance("qlora"));
+  // The random base is not the fixture's: the first loss differs from a run on the real weights.
+  train_one(tiny(base + "/real", "qlora", "sharded", 1, steps));
+  EXPECT_GT(std::abs(losses(base + "/one")[0] - losses(base + "/real")[0]), 1e-3);
+}
+
 TEST(Parallel, ShardedWithActivationCheckpointingMatchesOneRank) {
   // The backward pass recomputes each layer's forward inside the layer's backward hooks.
   const std::string base = test::temp_dir("par_actckpt");

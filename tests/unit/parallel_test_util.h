@@ -24,7 +24,7 @@
 
 namespace rig::test::parallel {
 
-inline const std::string kSrc = RIG_SOURCE_DIR;
+inline const std::string kSrc = source_dir();
 
 // The tiny pretrained llama3 fixture; `rows` rows per step in all, split as micro x accum x world.
 // `more` overrides go last.
@@ -119,12 +119,13 @@ inline std::function<TrainHooks(int)> stop_after(int n) {
 // at the first checkpoint.
 inline void reshard_run(const std::string& run, int64_t steps, int first, int second,
                         const std::function<TrainConfig(int world)>& cfg,
-                        const std::function<void(const std::string& ck_dir)>& check = {}) {
+                        const std::function<void(const std::string& ck_dir)>& check = {},
+                        const Wrap& wrap = {}) {
   auto shard_file = [](const std::string& dir, int world) {
     return fmt::format("{}/shard-{}-of-{}.safetensors", dir, world - 1, world);
   };
   auto rs = train_ranks(
-      first, [&](int) { return cfg(first); }, stop_after(2));
+      first, [&](int) { return cfg(first); }, stop_after(2), wrap);
   EXPECT_TRUE(rs[0].interrupted);
   auto ck = latest_checkpoint(run);
   ASSERT_TRUE(ck);
@@ -133,7 +134,7 @@ inline void reshard_run(const std::string& run, int64_t steps, int first, int se
   EXPECT_TRUE(verify_checkpoint(ck->dir).ok()) << verify_checkpoint(ck->dir).to_text();
   if (check) check(ck->dir);
   train_ranks(
-      second, [&](int) { return cfg(second); }, stop_after(2));
+      second, [&](int) { return cfg(second); }, stop_after(2), wrap);
   EXPECT_EQ(latest_checkpoint(run)->step, 4);
   EXPECT_TRUE(std::filesystem::exists(shard_file(latest_checkpoint(run)->dir, second)));
   EXPECT_EQ(train_one(cfg(1)).steps, steps);

@@ -15,9 +15,16 @@ namespace rig::test {
 
 inline std::string data_path(const std::string& rel) { return std::string(RIG_TEST_DATA) + "/" + rel; }
 
+// A path compiled in, unless the environment moves it (the GPU tests run from a bundle elsewhere).
+inline std::string path_or_env(const char* name, const char* compiled) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : compiled;
+}
+inline std::string source_dir() { return path_or_env("RIG_SOURCE_DIR", RIG_SOURCE_DIR); }
+
 // A fresh empty folder under the build tree, removed at the start of each use.
 inline std::string temp_dir(const std::string& name) {
-  auto p = std::filesystem::path(RIG_BUILD_DIR) / "test-tmp" / name;
+  auto p = std::filesystem::path(path_or_env("RIG_BUILD_DIR", RIG_BUILD_DIR)) / "test-tmp" / name;
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
@@ -27,7 +34,7 @@ inline std::string temp_dir(const std::string& name) {
 inline std::string small_data() {
   static const std::string path = [] {
     std::string dir = temp_dir("small_data");
-    std::ifstream in(std::string(RIG_SOURCE_DIR) + "/data/demo/reverse.jsonl");
+    std::ifstream in(source_dir() + "/data/demo/reverse.jsonl");
     std::ofstream out(dir + "/reverse400.jsonl");
     std::string line;
     for (int i = 0; i < 400 && std::getline(in, line); ++i) out << line << "\n";

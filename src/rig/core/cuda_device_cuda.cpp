@@ -225,6 +225,26 @@ void cuda_copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev,
   RIG_CUDA_CHECK(cudaMemcpy(dst, src, n, kind));
 }
 
+int cuda_runtime_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+void* cuda_host_alloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+void cuda_host_free(void* p) { cudaFreeHost(p); }
+
 void cuda_memset_zero(void* p, size_t n, int index) {
   int prev;
   RIG_CUDA_CHECK(cudaGetDevice(&prev));

@@ -1,7 +1,9 @@
 // Device dispatch for memory. The CUDA half lives in cuda_device_cuda.cpp (built only with CUDA).
+#include <cstdlib>
 #include <cstring>
 
 #include "rig/core/allocator.h"
+#include "rig/core/host_memory.h"
 #include "rig/core/tensor.h"
 
 namespace rig {
@@ -9,8 +11,11 @@ namespace rig {
 #ifdef RIG_WITH_CUDA
 Allocator& cuda_allocator(int index);
 bool cuda_runtime_available();
+int cuda_runtime_device_count();
 void cuda_copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n);
 void cuda_memset_zero(void* p, size_t n, int index);
+void* cuda_host_alloc(size_t bytes);  // nullptr when page-locked memory is not to be had
+void cuda_host_free(void* p);
 #endif
 
 Allocator& allocator_for(Device d) {
@@ -30,6 +35,14 @@ bool cuda_available() {
 #endif
 }
 
+int cuda_device_count() {
+#ifdef RIG_WITH_CUDA
+  return cuda_runtime_available() ? cuda_runtime_device_count() : 0;
+#else
+  return 0;
+#endif
+}
+
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n) {
   if (n == 0) return;
   if (dst_dev.is_cpu() && src_dev.is_cpu()) {
@@ -41,6 +54,17 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
 #else
   fail("copy between {} and {} needs a CUDA build", src_dev.str(), dst_dev.str());
 #endif
+}
+
+std::shared_ptr<void> pinned_host_block(size_t bytes) {
+  const size_t n = bytes ? bytes : 1;
+#ifdef RIG_WITH_CUDA
+  if (cuda_available())
+    if (void* p = cuda_host_alloc(n)) return std::shared_ptr<void>(p, cuda_host_free);
+#endif
+  void* p = std::malloc(n);
+  if (!p) fail("out of host memory allocating {} bytes for staging", n);
+  return std::shared_ptr<void>(p, std::free);
 }
 
 void Tensor::zero_() {

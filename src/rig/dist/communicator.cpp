@@ -72,6 +72,38 @@ std::unique_ptr<Communicator> make_nccl(std::shared_ptr<Store>, int, int, int, c
 
 Backend default_backend() { return nccl_built() && cuda_available() ? Backend::Nccl : Backend::Gloo; }
 
+Placement place_rank(const DistEnv& env, int gpus, std::string_view backend) {
+  Placement p;
+  if (gpus <= 0) {
+    if (backend == "nccl") bad_input("the NCCL backend needs a GPU, and none is visible");
+    p.device = Device::cpu();
+    return p;
+  }
+  p.device = Device::cuda(env.local_rank % gpus);
+  p.ranks_per_gpu = (env.local_world + gpus - 1) / gpus;
+  if (backend.empty())
+    p.backend = p.ranks_per_gpu == 1 && nccl_built() ? Backend::Nccl : Backend::Gloo;
+  else
+    p.backend = parse_backend(backend);
+  if (p.backend == Backend::Nccl && p.ranks_per_gpu > 1)
+    bad_input(
+        "{} ranks on this node but {} GPU(s): NCCL takes one rank per GPU; leave the backend to "
+        "rig (Gloo through host memory) or launch at most {} ranks",
+        env.local_world, gpus, gpus);
+  return p;
+}
+
+std::string Placement::describe(int local_world) const {
+  if (device.is_cpu()) return fmt::format("{} rank(s) on the CPU, collectives through Gloo", local_world);
+  if (ranks_per_gpu > 1)
+    return fmt::format(
+        "{} ranks share {} GPU(s) (up to {} per GPU): collectives go through Gloo, staged in "
+        "page-locked host memory",
+        local_world, (local_world + ranks_per_gpu - 1) / ranks_per_gpu, ranks_per_gpu);
+  return fmt::format("{} rank(s), one GPU each, collectives through {}", local_world,
+                     staged() ? "Gloo staged in host memory" : "NCCL");
+}
+
 Group::~Group() {
   comm.reset();
   store.reset();  // goodbye, or (when unwinding) the mark that this rank is gone
@@ -96,6 +128,20 @@ std::unique_ptr<Group> init_group(const DistEnv& env, Backend backend, const Com
     g->comm = make_nccl(g->store, env.rank, env.world, env.local_rank, opts);
   else
     g->comm = make_gloo(g->store, env.rank, env.world, opts);
+  return g;
+}
+
+std::unique_ptr<Group> init_group(const DistEnv& env, const Placement& where,
+                                  const CommOptions& opts) {
+  if (where.backend == Backend::Nccl) {
+    DistEnv e = env;
+    e.local_rank = where.device.index;  // make_nccl takes the device from local_rank
+    auto g = init_group(e, Backend::Nccl, opts);
+    g->env = env;
+    return g;
+  }
+  auto g = init_group(env, Backend::Gloo, opts);
+  g->comm = make_staged(std::move(g->comm), where.device);
   return g;
 }
 

@@ -81,6 +81,24 @@ std::unique_ptr<Communicator> make_gloo(std::shared_ptr<Store> store, int rank, 
 std::unique_ptr<Communicator> make_nccl(std::shared_ptr<Store> store, int rank, int world, int device,
                                         const CommOptions& opts = {});
 bool nccl_built();
+// Takes F32 tensors on `dev` (a GPU that several ranks share) and runs each collective on `host`
+// (Gloo) through page-locked host copies; the results reach `dev` when the Work is waited for.
+// `dev` on the CPU returns `host` itself.
+std::unique_ptr<Communicator> make_staged(std::unique_ptr<Communicator> host, Device dev);
+
+// Where one rank computes and how its collectives travel. GPU ranks take cuda:(local_rank mod
+// GPUs); when a node has more ranks than GPUs they share them, and since NCCL refuses two ranks
+// on one device, the collectives go through Gloo staged in host memory.
+struct Placement {
+  Device device;
+  Backend backend = Backend::Gloo;
+  int ranks_per_gpu = 1;  // the most ranks any GPU of this node hosts
+  bool staged() const { return device.is_cuda() && backend == Backend::Gloo; }
+  std::string describe(int local_world) const;  // one line for the log
+};
+// `gpus`: the GPUs this process sees (0: CPU ranks). `backend`: "" picks as above; "gloo" on GPUs
+// stages even with a GPU per rank; "nccl" with shared GPUs is an InputError.
+Placement place_rank(const DistEnv& env, int gpus, std::string_view backend = "");
 
 // Everything one rank of a run holds: its place, the store (rank 0 also hosts the server) and
 // the communicator. Destroy it after the last collective.
@@ -96,6 +114,9 @@ struct Group {
 // the whole world (a missing rank is named), then builds the backend. Also sets
 // rig::set_current_rank(env.rank) so error messages carry it.
 std::unique_ptr<Group> init_group(const DistEnv& env, Backend backend, const CommOptions& opts = {});
+// The same for a placement: NCCL on its GPU, or Gloo (staged when the device is a GPU).
+std::unique_ptr<Group> init_group(const DistEnv& env, const Placement& where,
+                                  const CommOptions& opts = {});
 // Backend by the device: NCCL when a GPU and NCCL are available, Gloo otherwise.
 Backend default_backend();
 

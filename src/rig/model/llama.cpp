@@ -11,6 +11,7 @@
 #include "rig/io/safetensors.h"
 #include "rig/model/llama_parts.h"
 #include "rig/ops/ops.h"
+#include "rig/quant/random_codes.h"
 
 namespace rig {
 
@@ -230,6 +231,12 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
   for (size_t pi = 0; pi < m->params_.size(); ++pi) {
     Param& p = m->params_[pi];
     const bool quantize = bool(p.quant);
+    if (quantize && opt.draw_codes) {
+      *p.quant = quant::drawn_4bit_skeleton(p.quant->shape, opt.quant_type, opt.blocksize,
+                                            opt.double_quant);
+      m->codes_deferred_ = true;
+      continue;
+    }
     // A weight to quantize is drawn into a temporary and replaced by its 4-bit form at once.
     Tensor drawn =
         quantize ? Tensor::empty(p.shape(), DType::F32, Device::cpu(), "weight") : p.value;
@@ -251,6 +258,7 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
     if (quantize)
       *p.quant = quant::quantize_4bit(drawn, opt.quant_type, opt.blocksize, opt.double_quant);
   }
+  m->codes_seed_ = seed;
   if (opt.quantize) {
     quant::QuantConfig qc;
     qc.type = opt.quant_type;
@@ -259,6 +267,26 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
     m->qcfg_ = qc;
   }
   return m;
+}
+
+void LlamaModel::draw_4bit_bytes(size_t param, Tensor quant::QuantizedWeight::*field,
+                                 int64_t begin, int64_t end, uint8_t* out) const {
+  RIG_CHECK(codes_deferred_ && params_.at(param).quant, "parameter {} has no drawn 4-bit weight",
+            param);
+  quant::draw_4bit_bytes(*params_[param].quant, mix_seed(codes_seed_, int(param), -1), field,
+                         begin, end, out);
+}
+
+void LlamaModel::materialize_4bit(Device dev) {
+  if (!codes_deferred_) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].quant) continue;
+    quant::QuantizedWeight& q = *params_[i].quant;
+    quant::draw_4bit(q, mix_seed(codes_seed_, int(i), -1));
+    q = q.to(dev);
+  }
+  codes_deferred_ = false;
+  qbuf_ = qview_ = Tensor();
 }
 
 void LlamaModel::add_lora(const LoraConfig& lora, uint64_t seed) {

@@ -50,6 +50,10 @@ struct LoadOptions {
   bool double_quant = true;
   // Decode a bitsandbytes folder's 4-bit weights into plain float32 parameters.
   bool dequantize = false;
+  // LlamaModel::random with quantize: draw the 4-bit weights straight as codes
+  // (quant/random_codes.h) instead of drawing floats and quantizing them, and leave their tensors
+  // to be made on demand (draw_4bit_bytes, materialize_4bit): a sharded rank makes only its own.
+  bool draw_codes = false;
 };
 
 // input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.
@@ -140,6 +144,13 @@ class LlamaModel {
   // Turns 4-bit weights back into float32 parameters (as bitsandbytes dequantizes them).
   void dequantize_weights();
   bool is_quantized() const;
+  // A random model whose 4-bit tensors are still to be drawn (LoadOptions::draw_codes).
+  bool codes_deferred() const { return codes_deferred_; }
+  // Bytes [begin, end) of one stored tensor of 4-bit parameter `param`, as drawn.
+  void draw_4bit_bytes(size_t param, Tensor quant::QuantizedWeight::*field, int64_t begin,
+                       int64_t end, uint8_t* out) const;
+  // Draws every deferred 4-bit tensor onto `dev`, one weight at a time.
+  void materialize_4bit(Device dev);
   // Bytes the 4-bit weights take (packed nibbles, scales, maps).
   size_t quantized_bytes() const;
 
@@ -223,6 +234,8 @@ class LlamaModel {
   DType act_ = DType::F32;
   Tensor qbuf_, qview_;  // the dequantization buffer (largest 4-bit weight, compute dtype)
   std::optional<quant::QuantConfig> qcfg_;  // quantization_config of a 4-bit model
+  bool codes_deferred_ = false;
+  uint64_t codes_seed_ = 0;
 };
 
 // Closed-form inverse frequencies with the config's rope scaling (float64).

@@ -67,6 +67,9 @@ struct FlatUnit {
   // the tensors as transformers does ("...q_proj.weight", "...q_proj.weight.absmax", ...) with
   // their size in words.
   bool four_bit = false;
+  // A frozen unit under bf16 compute: its matrices are stored in bf16 beside float32 norms, so it
+  // too carries each tensor's bytes in float32 words (params: name and size in words).
+  bool bytes = false;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
   // 8-bit AdamW (trainable units): every param starts on a multiple of align (its block of 256)
   // and each rank's shard is a multiple of it too, so a shard holds whole blocks of the very

@@ -99,6 +99,7 @@ std::vector<FlatUnit> units_of_layout(const json& layout) {
     f.name = u.at("name");
     f.trainable = u.at("trainable");
     f.four_bit = u.value("four_bit", false);
+    f.bytes = u.value("bytes", false);
     f.align = u.value("align", int64_t(1));
     f.min_8bit_size = u.value("min_8bit_size", int64_t(-1));
     for (const auto& p : u.at("params"))

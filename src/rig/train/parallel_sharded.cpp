@@ -3,6 +3,7 @@
 
 #include "rig/ops/adamw8bit.h"
 #include "rig/ops/ops.h"
+#include "rig/quant/random_codes.h"
 #include "rig/train/parallel.h"
 #include "rig/train/parallel_impl.h"
 
@@ -65,10 +66,31 @@ constexpr QuantField kQuantFields[] = {
     {".nested_quant_map", &quant::QuantizedWeight::nested_quant_map},
 };
 
-// Float32 words a tensor's bytes take in a 4-bit unit: padded to 16 bytes, so every tensor
+// Float32 words a tensor's bytes take in a unit of bytes: padded to 16 bytes, so every tensor
 // gathered into the unit's buffer starts as aligned as a fresh allocation's vector loads need.
-int64_t words_of(const Tensor& t) {
-  return (int64_t(t.nbytes()) + 15) / 16 * 4;
+int64_t words_of(size_t nbytes) { return (int64_t(nbytes) + 15) / 16 * 4; }
+int64_t words_of(const Tensor& t) { return words_of(t.nbytes()); }
+
+// The stored tensors of a 4-bit weight: the ones it holds, or those a random model will draw.
+struct Stored {
+  const char* suffix;
+  Tensor quant::QuantizedWeight::*field;
+  Shape shape;
+  DType dtype;
+  size_t nbytes;
+};
+std::vector<Stored> stored_of(const LlamaModel& model, size_t i) {
+  const quant::QuantizedWeight& q = *model.params()[i].quant;
+  std::vector<Stored> out;
+  for (const auto& f : kQuantFields) {
+    const Tensor& t = q.*f.field;
+    if (t.defined()) out.push_back({f.suffix, f.field, t.shape(), t.dtype(), t.nbytes()});
+  }
+  if (!out.empty() || !model.codes_deferred()) return out;
+  for (const auto& st : quant::stored_tensors(q))
+    for (const auto& f : kQuantFields)
+      if (f.field == st.field) out.push_back({f.suffix, f.field, st.shape, st.dtype, st.nbytes()});
+  return out;
 }
 
 // A tensor's bytes as a U8 vector sharing its storage (copies between dtypes, any device).
@@ -108,12 +130,18 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vect
           u.params.emplace_back(ps[i].name, ps[i].value.numel());
           continue;
         }
-        for (const auto& f : kQuantFields) {
-          const Tensor& t = (*ps[i].quant).*f.field;
-          if (t.defined()) u.params.emplace_back(ps[i].name + f.suffix, words_of(t));
-        }
+        for (const auto& st : stored_of(model, i))
+          u.params.emplace_back(ps[i].name + st.suffix, words_of(st.nbytes));
       }
       if (m.empty()) continue;
+      // Frozen matrices stored in bf16 (bf16 compute) sit beside float32 norms: the unit then
+      // carries every tensor's bytes, as a 4-bit unit does.
+      if (kind == 2 && std::any_of(m.begin(), m.end(),
+                                   [&](size_t i) { return ps[i].value.dtype() != DType::F32; })) {
+        u.bytes = true;
+        u.params.clear();
+        for (size_t i : m) u.params.emplace_back(ps[i].name, words_of(ps[i].value));
+      }
       units.push_back(std::move(u));
       members.push_back(std::move(m));
     }
@@ -137,10 +165,11 @@ struct Sharded::Unit {
   int param = -1;           // index into shard_params_
   Tensor full, gfull;       // gathered weights and full gradients while in use
   dist::WorkPtr gathering;  // a prefetch in flight into `full`
-  // 4-bit units: where each stored tensor of each weight lies in `full` (offset in words).
+  // Units of bytes (4-bit weights, bf16 frozen matrices): where each stored tensor lies in
+  // `full` (offset in words).
   struct Piece {
     size_t param;
-    Tensor quant::QuantizedWeight::*field;
+    Tensor quant::QuantizedWeight::*field;  // nullptr: the parameter's `value`
     Shape shape;
     DType dtype;
     int64_t offset;
@@ -156,34 +185,48 @@ struct Sharded::PendingGrad {
 
 Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
     : comm_(comm), model_(model) {
-  RIG_CHECK(model.compute_dtype() == DType::F32, "sharded training needs float32 compute");
   auto members = unit_members(model, units_, opt);
   auto& ps = model.params();
   const Device dev = model.device();
   const int r = comm.rank();
+  auto stored = [&](const Unit::Piece& pc) -> const Tensor& {
+    return pc.field ? (*ps[pc.param].quant).*pc.field : ps[pc.param].value;
+  };
   for (size_t k = 0; k < units_.size(); ++k) {
     auto u = std::make_unique<Unit>();
     u->members = members[k];
-    if (units_[k].four_bit) {
+    if (units_[k].four_bit || units_[k].bytes) {
       // The bytes of every stored tensor, one after the other; this rank keeps its slice.
       int64_t off = 0;
-      for (size_t i : u->members)
-        for (const auto& f : kQuantFields) {
-          const Tensor& t = (*ps[i].quant).*f.field;
-          if (!t.defined()) continue;
-          u->pieces.push_back({i, f.field, t.shape(), t.dtype(), off});
-          off += words_of(t);
+      for (size_t i : u->members) {
+        if (units_[k].bytes) {
+          u->pieces.push_back({i, nullptr, ps[i].value.shape(), ps[i].value.dtype(), off});
+          off += words_of(ps[i].value);
+          continue;
         }
+        for (const auto& st : stored_of(model, i)) {
+          u->pieces.push_back({i, st.field, st.shape, st.dtype, off});
+          off += words_of(st.nbytes);
+        }
+      }
       u->fs = dist::FlatShard::of(off, comm.world());
-      u->shard = Tensor::zeros({u->fs.shard}, DType::F32, dev, "4-bit weight shard");
+      u->shard = Tensor::zeros({u->fs.shard}, DType::F32, dev, "frozen weight shard");
       Tensor mine = bytes_of(u->shard);
       const int64_t b = u->fs.begin(r) * 4, e = b + u->fs.valid(r) * 4;
       for (const auto& pc : u->pieces) {
-        const Tensor& t = (*ps[pc.param].quant).*pc.field;
-        const int64_t pb = pc.offset * 4, pe = pb + int64_t(t.nbytes());
+        const Tensor& t = stored(pc);
+        const int64_t pb = pc.offset * 4,
+                      pe = pb + int64_t(dtype_nbytes(pc.dtype, shape_numel(pc.shape)));
         const int64_t lo = std::max(b, pb), hi = std::min(e, pe);
-        if (lo < hi)
+        if (lo >= hi) continue;
+        if (t.defined()) {
           mine.slice_rows(lo - b, hi - b).copy_from(bytes_of(t).slice_rows(lo - pb, hi - pb));
+        } else {
+          // A random model's 4-bit weight: draw just this rank's bytes of it.
+          Tensor host = Tensor::empty({hi - lo}, DType::U8, Device::cpu(), "drawn 4-bit bytes");
+          model.draw_4bit_bytes(pc.param, pc.field, lo - pb, hi - pb, host.data<uint8_t>());
+          mine.slice_rows(lo - b, hi - b).copy_from(host);
+        }
       }
       of_group_[units_[k].group].push_back(k);
       state_.push_back(std::move(u));
@@ -281,18 +324,26 @@ void Sharded::gather(Unit& u) {
   u.gathering.reset();
   auto& ps = model_.params();
   if (!u.pieces.empty()) {
-    // The 4-bit weights' tensors become views of the gathered bytes, until release.
+    // The stored tensors become views of the gathered bytes, until release.
     auto owner = std::make_shared<Tensor>(u.full);
-    for (const auto& pc : u.pieces)
-      (*ps[pc.param].quant).*pc.field =
-          Tensor::view(static_cast<char*>(u.full.raw()) + pc.offset * 4, pc.shape, pc.dtype,
-                       u.full.device(), owner);
+    for (const auto& pc : u.pieces) {
+      Tensor v = Tensor::view(static_cast<char*>(u.full.raw()) + pc.offset * 4, pc.shape, pc.dtype,
+                              u.full.device(), owner);
+      (pc.field ? (*ps[pc.param].quant).*pc.field : ps[pc.param].value) = v;
+    }
     return;
   }
+  const DType compute = model_.compute_dtype();
   for (size_t j = 0; j < u.members.size(); ++j) {
+    Param& p = ps[u.members[j]];
     const int64_t n = shape_numel(u.shapes[j]);
-    // Float32 compute (checked by the trainer): the products read the gathered values.
-    ps[u.members[j]].value = u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+    p.value = u.full.slice_rows(u.offsets[j], u.offsets[j] + n).reshape(u.shapes[j]);
+    // Under bf16 compute the products read a bf16 copy of each trainable matrix, made here from
+    // the gathered float32 master and dropped with it (FSDP's param_dtype).
+    if (p.compute_operand && compute != DType::F32) {
+      p.compute = Tensor::empty(u.shapes[j], compute, u.full.device(), "compute weight");
+      ops::cast(p.value, p.compute);
+    }
   }
 }
 
@@ -315,7 +366,8 @@ void Sharded::release(Unit& u) {
     u.gathering.reset();
   }
   for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
-  for (const auto& pc : u.pieces) (*model_.params()[pc.param].quant).*pc.field = Tensor();
+  for (const auto& pc : u.pieces)
+    if (pc.field) (*model_.params()[pc.param].quant).*pc.field = Tensor();
   u.full = Tensor();
 }
 
@@ -401,6 +453,7 @@ json Sharded::layout() const {
     for (const auto& [n, k] : u.params) ps.push_back({n, k});
     json j = {{"name", u.name}, {"trainable", u.trainable}, {"params", ps}};
     if (u.four_bit) j["four_bit"] = true;  // params in float32 words of stored bytes
+    if (u.bytes) j["bytes"] = true;        // likewise (frozen matrices stored in bf16)
     if (u.align > 1) {
       j["align"] = u.align;
       j["min_8bit_size"] = u.min_8bit_size;

@@ -3,6 +3,7 @@
 #include "rig/train/trainer.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <thread>
 
@@ -29,6 +30,7 @@ TrainResult train(const TrainConfig& cfg, const TrainHooks& hooks) {
 }
 
 TrainResult Trainer::run() {
+  setup_peak_reserved_ = alloc_->peak_reserved();
   alloc_->reset_peak();
   if (!resumed_ && cfg_.eval.every > 0) run_eval(0, false);  // the starting point of the curve
   while (step_ < total_) {
@@ -43,6 +45,7 @@ TrainResult Trainer::run() {
   result_.skipped_steps = skipped_total_;
   result_.rollbacks = rollbacks_;
   if (progress_) progress_->finish();
+  report_rank_memory();
   if (result_.interrupted) return result_;
   save(step_);
   write_final();
@@ -56,6 +59,7 @@ void Trainer::open_run_log() {
   if (comm_)
     note(fmt::format("{} ranks, {}: global batch {} x {} x {} rows", world_, strategy_name_,
                      cfg_.micro_batch_size, cfg_.gradient_accumulation_steps, world_));
+  if (!placement_.empty()) note(placement_);
   note(fmt::format(
       "{} {} steps {} of {}: {} parameters ({} trainable), {} training samples "
       "({} tokens), {} held out",
@@ -68,6 +72,37 @@ void Trainer::open_run_log() {
           fmt::format("resumed from {} at step {}", ckpt_->dir, step_));
     ckpt_.reset();  // drops the mapping of its files
   }
+}
+
+void Trainer::report_rank_memory() {
+  if (!dev_.is_cuda()) return;
+  constexpr double kGiB = double(1 << 30);
+  const std::vector<float> mine = {
+      float(double(std::max(setup_peak_reserved_, alloc_->peak_reserved())) / kGiB),
+      float(double(alloc_->peak()) / kGiB)};
+  std::vector<float> all = mine;
+  if (comm_) {
+    Tensor in = Tensor::from_f32(mine, {2});
+    Tensor out = Tensor::empty({2 * world_}, DType::F32, comm_->device(), "memory");
+    comm_->all_gather(in.to(comm_->device(), "memory"), out);
+    Tensor h = out.to(Device::cpu(), "memory");
+    all.assign(h.f32(), h.f32() + h.numel());
+  }
+  json reserved = json::array(), used = json::array();
+  std::string words;
+  for (size_t r = 0; r < all.size() / 2; ++r) {
+    reserved.push_back(std::round(all[2 * r] * 1000) / 1000);
+    used.push_back(std::round(all[2 * r + 1] * 1000) / 1000);
+    words += fmt::format("{}{:.2f}", r ? ", " : "", all[2 * r]);
+  }
+  json fields = {{"peak_reserved_gib", reserved}, {"peak_in_use_gib", used}};
+  std::string budget;
+  if (cfg_.max_memory) {
+    fields["budget_gib"] = double(cfg_.max_memory) / kGiB;
+    budget = fmt::format(" (max_memory {:.2f} GiB)", double(cfg_.max_memory) / kGiB);
+  }
+  event("memory", step_, fields,
+        fmt::format("peak reserved device memory per rank: {} GiB{}", words, budget));
 }
 
 void Trainer::note(const std::string& s) {

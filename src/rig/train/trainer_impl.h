@@ -106,6 +106,8 @@ class Trainer {
   void save(int64_t s);
   void run_eval(int64_t s, bool final_eval);
   void write_final();
+  // Every rank's peak reserved and in-use device memory (setup included), as an event.
+  void report_rank_memory();
 
   // ---- the run's log and telemetry (trainer.cpp) ----
   void open_run_log();
@@ -129,6 +131,7 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   bool lead_ = true, sharding_ = false;
   std::string strategy_name_;
+  std::string placement_;  // how the ranks sit on the GPUs, for the log
   Allocator* alloc_ = nullptr;
   std::string run_;  // the run folder
   Injector injector_;
@@ -154,6 +157,7 @@ class Trainer {
   SpikeDetector spikes_;
   int64_t skipped_total_ = 0, rollbacks_ = 0, skips_in_row_ = 0;
   int64_t batches_drawn_ = 0;  // global batches taken from the data so far, skipped ones included
+  size_t setup_peak_reserved_ = 0;  // the allocator's reserved peak before the first step
   uint64_t frozen_ref_ = 0;    // the frozen weights' hash at start: nothing may change them
 
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only

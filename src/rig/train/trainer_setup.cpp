@@ -7,6 +7,7 @@
 #include <random>
 
 #include "rig/core/allocator.h"
+#include "rig/core/host_memory.h"
 #include "rig/dist/communicator.h"
 #include "rig/dist/launcher.h"
 #include "rig/ops/ops.h"
@@ -124,7 +125,9 @@ std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
   if (cfg.init == "random") {
     json arch = cfg.architecture_json();
     LoadOptions lo;
-    lo.quantize = qlora;  // NF4, blocks of 64, double quantization, one weight at a time
+    lo.quantize = qlora;  // NF4, blocks of 64, double quantization
+    // Drawn straight as 4-bit codes, made on the device (or, sharded, only each rank's bytes).
+    lo.draw_codes = qlora;
     if (arch.is_null()) {
       if (cfg.model.empty())
         bad_input("{}: init: random needs 'architecture' or a model folder with config.json",
@@ -206,12 +209,24 @@ void Trainer::setup_ranks() {
     // A launched world of one (--nproc-per-node 1) still goes through the communicator, so the
     // distributed path can be run on a single GPU.
     if (env.world > 1 || dist::launched_worker()) {
-      if (dev_.is_cuda() && (cfg_.device == "auto" || cfg_.device == "cuda"))
-        dev_ = Device::cuda(env.local_rank);
+      // GPU ranks take cuda:(local rank mod GPUs); a node with more ranks than GPUs shares them
+      // (collectives then go through Gloo in host memory). A device named with an index pins
+      // every rank there.
+      const bool pinned = dev_.is_cuda() && cfg_.device != "auto" && cfg_.device != "cuda";
+      dist::Placement where = dist::place_rank(env, dev_.is_cuda() ? cuda_device_count() : 0);
+      if (pinned) {
+        where.device = dev_;
+        where.ranks_per_gpu = env.local_world;
+        where.backend = env.local_world == 1 && dist::nccl_built() ? dist::Backend::Nccl
+                                                                    : dist::Backend::Gloo;
+      }
+      dev_ = where.device;
+      placement_ = where.describe(env.local_world);
+      if (env.rank == 0 && where.ranks_per_gpu > 1 && !hooks_.quiet)
+        fmt::print(stderr, "rig: {}\n", placement_);
       dist::CommOptions co;
       co.timeout = dist::Millis(int64_t(cfg_.dist.timeout_s * 1000));
-      group_ =
-          dist::init_group(env, dev_.is_cuda() ? dist::Backend::Nccl : dist::Backend::Gloo, co);
+      group_ = dist::init_group(env, where, co);
       comm_ = group_->comm.get();
     }
   }
@@ -220,12 +235,6 @@ void Trainer::setup_ranks() {
   lead_ = rank_ == 0;
   sharding_ = comm_ && cfg_.strategy == "sharded";
   strategy_name_ = !comm_ ? "single" : sharding_ ? "sharded" : "ddp";
-  // Shards are float32 flat buffers; bf16 compute copies of gathered layers are not made yet.
-  if (sharding_ && precision_ == "bf16")
-    bad_input(
-        "{}: strategy: sharded trains in float32 for now; set precision: fp32 (or use strategy: "
-        "ddp)",
-        cfg_.source);
 }
 
 std::optional<std::string> Trainer::choose_checkpoint() {
@@ -306,6 +315,7 @@ void Trainer::setup_model() {
   if (lead_) save_run_config(cfg_, run_);
   model_ = build_model(cfg_);
   place_model(*model_, cfg_, dev_, precision_);
+  if (!sharding_) model_->materialize_4bit(dev_);  // sharded ranks draw their own bytes
   if (tok_->vocab_size() > model_->config().vocab_size)
     bad_input("{}: the tokenizer has {} tokens but the model's vocabulary is {}", cfg_.source,
               tok_->vocab_size(), model_->config().vocab_size);
@@ -391,6 +401,7 @@ void Trainer::reload_frozen() {
     auto mine = shard_->frozen_shards(), theirs = slices.frozen_shards();
     for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_from(theirs[i]);
   } else {
+    fresh->materialize_4bit(Device::cpu());
     auto& ps = model_->params();
     for (size_t i = 0; i < ps.size(); ++i) {
       if (ps[i].trainable) continue;

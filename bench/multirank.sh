@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Several ranks on one GPU, end to end (run from the repository root on the GPU machine, from a
+# bundle: dist/rig/rig and dist/rig/rig_gpu_tests):
+#   1. the shared-GPU tests (staged collectives; 2 and 4 ranks against one, bf16, ddp and sharded)
+#   2. llama3-8b QLoRA and LoRA data-parallel on 2 ranks sharing the GPU against 1 rank
+#   3. the seeds' flagship shape: llama3-70b QLoRA sharded over 4 ranks, max_memory 22GiB each
+# usage: bench/multirank.sh OUTDIR [parts, default "1 2 3"] (STEPS70 sets part 3's steps)
+set -uo pipefail
+out=${1:?usage: bench/multirank.sh OUTDIR [parts]}
+parts=${2:-1 2 3}
+R=${RIG:-dist/rig/rig}
+T=${RIG_GPU_TESTS:-dist/rig/rig_gpu_tests}
+mkdir -p "$out"
+export RIG_TEST_DATA=$PWD/tests/data RIG_SOURCE_DIR=$PWD RIG_BUILD_DIR=${TMPDIR:-/tmp}/rig-build
+mkdir -p "$RIG_BUILD_DIR"
+data=(tokenizer=data/demo/tokenizer.json datasets.0.path=data/demo/reverse.jsonl
+      datasets.0.format=chat datasets.0.template=chatml eval.every=0 eval.split=0 save.every=0)
+for p in $parts; do case $p in
+1)
+  timeout 400 "$T" --gtest_filter='SharedGpu*' > "$out/shared_gpu_tests.log" 2>&1
+  echo "shared-GPU tests rc $?"; grep -E "^\[  (FAILED|PASSED)|worst loss" "$out/shared_gpu_tests.log"
+  ;;
+2)
+  for method in qlora lora; do
+    for n in 1 2; do
+      mb=$((2 / n))
+      run=$out/runs/8b-$method-$n
+      timeout 240 "$R" train configs/llama3-8b-qlora-24gb.yaml --nproc-per-node $n --quiet --output "$run" \
+        --set init=random architecture=llama3-8b method=$method strategy=ddp packing=false \
+        sequence_len=512 micro_batch_size=$mb gradient_accumulation_steps=2 max_steps=8 \
+        schedule.warmup_steps=1 optimizer.lr=1e-3 "${data[@]}" > "$out/8b-$method-$n.log" 2>&1
+      echo "8b $method on $n rank(s): rc $?"
+      grep -h '"loss"' "$run/metrics.jsonl" | grep -o '"loss":[0-9.]*' | tr '\n' ' '; echo
+      grep -h 'peak reserved' "$run/train.log"
+    done
+  done
+  ;;
+3)
+  run=$out/runs/70b-qlora-4
+  start=$(date +%s)
+  timeout 560 "$R" train configs/llama3-70b-qlora-4x24gb.yaml --nproc-per-node 4 --quiet --output "$run" \
+    --set init=random architecture=llama3-70b max_steps=${STEPS70:-20} gradient_accumulation_steps=1 \
+    num_epochs=4 schedule.warmup_steps=2 optimizer.lr=5e-4 "${data[@]}" > "$out/70b.log" 2>&1
+  echo "70b QLoRA on 4 ranks: rc $? in $(( $(date +%s) - start )) s"
+  tail -5 "$out/70b.log"
+  cp "$run/metrics.jsonl" "$out/70b-metrics.jsonl" 2>/dev/null
+  grep -h -E 'share|peak reserved|step 1:|step 20:' "$run/train.log" | head
+  ;;
+esac; done

@@ -6,6 +6,7 @@
 #include "command.h"
 #include "launch_flags.h"
 #include "rig/dist/bench.h"
+#include "rig/core/host_memory.h"
 #include "rig/dist/communicator.h"
 
 namespace {
@@ -51,7 +52,18 @@ int run(const Args& a) {
   Backend backend = a.backend.empty() ? default_backend() : parse_backend(a.backend);
   CommOptions co;
   co.timeout = std::chrono::seconds(a.timeout_s);
-  auto group = init_group(env_from_process(), backend, co);
+  const DistEnv env = env_from_process();
+  std::unique_ptr<Group> group;
+  if (a.backend.empty() && rig::cuda_available()) {
+    // GPU tensors: NCCL with a GPU per rank, Gloo staged in host memory when ranks share GPUs.
+    const Placement where = place_rank(env, rig::cuda_device_count());
+    if (env.rank == 0 && where.ranks_per_gpu > 1)
+      fmt::print(stderr, "rig: {}\n", where.describe(env.local_world));
+    backend = where.backend;
+    group = init_group(env, where, co);
+  } else {
+    group = init_group(env, backend, co);
+  }
   auto& comm = *group->comm;
   auto rows = bench_comm(comm, o);
   int64_t wrong = 0;

@@ -26,7 +26,10 @@ std::vector<ConfigSection> make_sections() {
                 .type = "`pretrained` | `random`",
                 .default_yaml = "pretrained",
                 .doc = "`random` initialises the weights instead of loading them (demo, tests, "
-                       "benchmarks)."},
+                       "benchmarks). With `qlora` the 4-bit weights are drawn straight as codes "
+                       "(uniform NF4 indices, block scales near those of normal(0, 0.02) blocks), "
+                       "byte by byte from the seed: no float copy is made, and sharded ranks draw "
+                       "only their own bytes (a 70B model starts in seconds)."},
                {.name = "architecture",
                 .type = "name or mapping",
                 .default_text = "none",
@@ -56,8 +59,8 @@ std::vector<ConfigSection> make_sections() {
                        "norms and `lm_head` stay unquantized. `rig quantize` writes the 4-bit "
                        "folder once for reuse. A 4-bit folder with `full` or `lora` is an error. "
                        "With `strategy: sharded` the 4-bit weights and their quantization state "
-                       "are sharded across ranks and gathered per layer (float32 compute, as all "
-                       "sharded training). See `docs/qlora.md`."},
+                       "are sharded across ranks and gathered per layer, in bf16 or float32 "
+                       "compute. See `docs/qlora.md`."},
            }},
       {.title = "LoRA (`lora:`), used when `method` is `lora` or `qlora`",
        .keys =
@@ -279,7 +282,10 @@ std::vector<ConfigSection> make_sections() {
                     "gradient and optimizer moment per rank and gather a layer's weights only "
                     "while it runs (`sharded`, ZeRO-3/FSDP style; QLoRA's 4-bit weights too). "
                     "`auto` is ddp; a single process ignores it. `fsdp` and `zero3` mean "
-                    "`sharded`. See [distributed.md](distributed.md)."},
+                    "`sharded`. Both take `precision: bf16` (sharded: float32 master shards, bf16 "
+                    "compute copies made per gathered layer). More ranks than GPUs share them "
+                    "(collectives through Gloo in host memory). See "
+                    "[distributed.md](distributed.md)."},
                {.name = "dist.timeout_s",
                 .type = "number > 0",
                 .default_yaml = "600",

@@ -517,13 +517,14 @@ int64_t count_bad_values(const std::vector<Tensor>& ts, double max_abs) {
   const char* op = "count_bad_values";
   for (const Tensor& t : ts)
     RIG_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::I64 ||
-                  t.dtype() == DType::I32,
+                  t.dtype() == DType::I32 || t.dtype() == DType::U8,
               "{}: {} tensors are not supported on CUDA", op, dtype_name(t.dtype()));
   // Above FLT_MAX every finite float passes, as it should.
   const float limit = max_abs > 0 ? float(std::min(max_abs, 3.0e38)) : 0.0f;
   return int64_t(accumulate_on_device(
       ts, op, [&](size_t, const Tensor& t, unsigned long long* c, cudaStream_t s) {
-        if (t.dtype() != DType::F32 && t.dtype() != DType::BF16) return cudaSuccess;  // integers
+        // Integers and bytes (4-bit codes, sharded units of bytes) hold no floats to judge.
+        if (t.dtype() != DType::F32 && t.dtype() != DType::BF16) return cudaSuccess;
         return k::count_bad(ktype(t, op, "tensor"), t.raw(), t.numel(), limit, c, s);
       }));
 }

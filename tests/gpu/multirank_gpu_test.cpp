@@ -76,7 +76,10 @@ double expect_bf16_close(const std::string& ref, const std::string& got, const s
 
 TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
   REQUIRE_GPU();
-  for (int world : {2, 4}) {
+  // Through Gloo's sockets, and through the shared-memory segment of ranks on one host.
+  for (int world : {2, 4, -2, -4}) {
+    const bool shm = world < 0;
+    world = std::abs(world);
     dist::StoreServer server(0);
     std::vector<std::thread> ts;
     std::vector<int64_t> wrong(static_cast<size_t>(world), -1);
@@ -84,7 +87,12 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
     for (int r = 0; r < world; ++r)
       ts.emplace_back([&, r] {
         try {
-          auto comm = on_gpu(gloo_rank(server.port(), r, world));
+          auto store = std::make_shared<dist::Store>("127.0.0.1", server.port(), r,
+                                                     dist::Millis(30000));
+          dist::CommOptions co;
+          co.timeout = std::chrono::seconds(30);
+          auto comm = dist::make_staged(dist::make_gloo(store, r, world, co), Device::cuda(0),
+                                        shm ? store : nullptr);
           EXPECT_EQ(comm->device(), Device::cuda(0));
           dist::CommBenchOptions o;
           o.ops = dist::all_comm_ops();
@@ -103,7 +111,7 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
     for (auto& t : ts) t.join();
     for (int r = 0; r < world; ++r) {
       EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
-      EXPECT_EQ(wrong[size_t(r)], 0) << "rank " << r << " of " << world;
+      EXPECT_EQ(wrong[size_t(r)], 0) << "rank " << r << " of " << world << (shm ? " (shm)" : "");
     }
   }
 }

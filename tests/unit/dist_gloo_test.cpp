@@ -21,7 +21,9 @@ using namespace std::chrono_literals;
 namespace {
 
 // Runs fn(rank, comm) on `world` threads, each with its own store client and Gloo communicator.
-void run_ranks(int world, const std::function<void(int, Communicator&)>& fn, Millis timeout = 20s) {
+// With `shm`, the collectives move through a shared-memory segment (make_staged with the store).
+void run_ranks(int world, const std::function<void(int, Communicator&)>& fn, Millis timeout = 20s,
+               bool shm = false) {
   StoreServer server(0);
   std::vector<std::thread> ts;
   std::vector<std::string> errors(static_cast<size_t>(world));
@@ -32,6 +34,7 @@ void run_ranks(int world, const std::function<void(int, Communicator&)>& fn, Mil
         CommOptions o;
         o.timeout = timeout;
         auto comm = make_gloo(store, r, world, o);
+        if (shm) comm = make_staged(std::move(comm), Device::cpu(), store);
         fn(r, *comm);
       } catch (const std::exception& e) {
         errors[size_t(r)] = e.what();
@@ -289,4 +292,36 @@ TEST(DistBench, CliSweepWithLauncher) {
   ASSERT_EQ(t.code, 0) << t.out;
   EXPECT_NE(t.out.find("busbw"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("all results correct"), std::string::npos) << t.out;
+}
+
+// ---- ranks on one host: collectives through shared memory ----------------------------------
+
+TEST(DistShm, EveryCollectiveMatchesTheClosedFormAtEverySize) {
+  for (int world : {2, 4})
+    run_ranks(
+        world,
+        [world](int r, Communicator& c) {
+          CommBenchOptions o;
+          o.ops = all_comm_ops();
+          o.min_bytes = 4;
+          o.max_bytes = 4 << 20;
+          o.factor = 16;
+          o.iters = 2;
+          o.warmup = 1;
+          for (auto& row : bench_comm(c, o)) EXPECT_EQ(row.wrong, 0) << row.op << " " << row.bytes;
+          // Avg and Max, and a reduce-scatter of rank-dependent blocks.
+          Tensor t = Tensor::from_f32({float(r), float(-r), 1.0f}, {3});
+          c.all_reduce(t, ReduceOp::Max);
+          EXPECT_EQ(values(t), (std::vector<float>{float(world - 1), 0.0f, 1.0f}));
+          Tensor a = Tensor::from_f32({float(r) * 2}, {1});
+          c.all_reduce(a, ReduceOp::Avg);
+          EXPECT_FLOAT_EQ(a.f32()[0], float(world - 1));
+          std::vector<float> in;
+          for (int q = 0; q < world; ++q) in.insert(in.end(), {float(q), float(r)});
+          Tensor out = Tensor::empty({2}, DType::F32);
+          c.reduce_scatter(Tensor::from_f32(in, {2 * world}), out, ReduceOp::Sum);
+          EXPECT_EQ(values(out), (std::vector<float>{float(r * world), float(world * (world - 1) / 2)}));
+          c.barrier();
+        },
+        20s, true);
 }

@@ -245,6 +245,18 @@ void* cuda_host_alloc(size_t bytes) {
 
 void cuda_host_free(void* p) { cudaFreeHost(p); }
 
+bool cuda_host_register(void* p, size_t bytes) {
+  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+void cuda_host_unregister(void* p) {
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 void cuda_memset_zero(void* p, size_t n, int index) {
   int prev;
   RIG_CUDA_CHECK(cudaGetDevice(&prev));

@@ -16,6 +16,8 @@ void cuda_copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev,
 void cuda_memset_zero(void* p, size_t n, int index);
 void* cuda_host_alloc(size_t bytes);  // nullptr when page-locked memory is not to be had
 void cuda_host_free(void* p);
+bool cuda_host_register(void* p, size_t bytes);
+void cuda_host_unregister(void* p);
 #endif
 
 Allocator& allocator_for(Device d) {
@@ -65,6 +67,24 @@ std::shared_ptr<void> pinned_host_block(size_t bytes) {
   void* p = std::malloc(n);
   if (!p) fail("out of host memory allocating {} bytes for staging", n);
   return std::shared_ptr<void>(p, std::free);
+}
+
+bool pin_host_range(void* p, size_t bytes) {
+#ifdef RIG_WITH_CUDA
+  return cuda_available() && cuda_host_register(p, bytes);
+#else
+  (void)p;
+  (void)bytes;
+  return false;
+#endif
+}
+
+void unpin_host_range(void* p) {
+#ifdef RIG_WITH_CUDA
+  cuda_host_unregister(p);
+#else
+  (void)p;
+#endif
 }
 
 void Tensor::zero_() {

@@ -9,5 +9,9 @@ int cuda_device_count();  // 0 in a build without CUDA or on a machine without a
 // Host memory for staging copies to and from GPUs: page-locked when a GPU is visible (copies run
 // at full speed and need no bounce buffer), plain otherwise. Freed with the last reference.
 std::shared_ptr<void> pinned_host_block(size_t bytes);
+// Page-locks memory allocated elsewhere (a shared-memory segment) for fast copies to and from
+// GPUs; false where that is not possible (no GPU, or the driver refuses).
+bool pin_host_range(void* p, size_t bytes);
+void unpin_host_range(void* p);
 
 }  // namespace rig

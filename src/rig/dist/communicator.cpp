@@ -141,7 +141,9 @@ std::unique_ptr<Group> init_group(const DistEnv& env, const Placement& where,
     return g;
   }
   auto g = init_group(env, Backend::Gloo, opts);
-  g->comm = make_staged(std::move(g->comm), where.device);
+  if (where.device.is_cuda())
+    g->comm = make_staged(std::move(g->comm), where.device,
+                          env.local_world == env.world ? g->store : nullptr);
   return g;
 }
 

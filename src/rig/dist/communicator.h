@@ -83,8 +83,12 @@ std::unique_ptr<Communicator> make_nccl(std::shared_ptr<Store> store, int rank, 
 bool nccl_built();
 // Takes F32 tensors on `dev` (a GPU that several ranks share) and runs each collective on `host`
 // (Gloo) through page-locked host copies; the results reach `dev` when the Work is waited for.
-// `dev` on the CPU returns `host` itself.
-std::unique_ptr<Communicator> make_staged(std::unique_ptr<Communicator> host, Device dev);
+// With `node_store` (every rank of the world on this host, the store they share) the data moves
+// through one shared-memory segment instead, each collective complete when issued, with Gloo
+// for the barriers (RIG_STAGED_SHM=0 turns that off). `dev` on the CPU without a store returns
+// `host` itself.
+std::unique_ptr<Communicator> make_staged(std::unique_ptr<Communicator> host, Device dev,
+                                          std::shared_ptr<Store> node_store = nullptr);
 
 // Where one rank computes and how its collectives travel. GPU ranks take cuda:(local_rank mod
 // GPUs); when a node has more ranks than GPUs they share them, and since NCCL refuses two ranks

@@ -50,7 +50,17 @@ c)
   timeout ${T70:-540} "$R" train configs/llama3-70b-qlora-4x24gb.yaml --nproc-per-node 4 --quiet --output "$run" \
     --set init=random architecture=llama3-70b max_steps=${STEPS70:-20} gradient_accumulation_steps=1 \
     num_epochs=4 schedule.warmup_steps=2 optimizer.lr=5e-4 "${data[@]}" > "$out/70b.log" 2>&1
-  echo "70b QLoRA on 4 ranks: rc $? in $(( $(date +%s) - start )) s"
+  rc=$?
+  echo "70b QLoRA on 4 ranks: rc $rc in $(( $(date +%s) - start )) s"
+  if [ $rc != 0 ] && [ $(( $(date +%s) - start )) -lt 150 ]; then
+    # A quick failure: once more through Gloo's sockets (slower), for the steps that time allows.
+    cp "$out/70b.log" "$out/70b-shm-failed.log"; rm -rf "$run"
+    RIG_STAGED_SHM=0 timeout $(( ${T70:-540} - 150 )) "$R" train configs/llama3-70b-qlora-4x24gb.yaml \
+      --nproc-per-node 4 --quiet --output "$run" --set init=random architecture=llama3-70b \
+      max_steps=${STEPS70:-20} gradient_accumulation_steps=1 num_epochs=4 schedule.warmup_steps=2 \
+      optimizer.lr=5e-4 "${data[@]}" > "$out/70b.log" 2>&1
+    echo "70b QLoRA on 4 ranks, Gloo sockets: rc $? in $(( $(date +%s) - start )) s"
+  fi
   tail -5 "$out/70b.log"
   cp "$run/metrics.jsonl" "$out/70b-metrics.jsonl" 2>/dev/null
   grep -h -E 'share|peak reserved|step 1:|step 20:' "$run/train.log" | head

@@ -36,9 +36,11 @@ TrainConfig gpu_tiny(const std::string& out, const std::string& method, const st
   return tiny(out, method, strategy, world, steps, 2, 8, more);
 }
 
-// bf16 products (8-bit mantissa) see other batch splits and float32 gradient sums in another
-// order on other world sizes: the losses agree to a part in a few hundred, the weights to a
-// fraction of one AdamW step (lr 1e-2) over the run. Returns the worst relative loss difference.
+// Other world sizes split the batch into other bf16 products (8-bit mantissa, float32
+// accumulation) and sum float32 gradients in another order. Measured on an H100 (2026-12-05):
+// losses within 4e-5 relative, weights within 1.3e-4 relative L2 (1.6e-4 at most, a sixtieth of
+// one AdamW step at lr 1e-2). The bounds: a quarter of one bf16 rounding (2^-8) on the losses,
+// 2e-3 on the weights. Returns the worst relative loss difference.
 double expect_bf16_close(const std::string& ref, const std::string& got, const std::string& method,
                          size_t steps) {
   auto a = losses(ref), b = losses(got);
@@ -48,7 +50,7 @@ double expect_bf16_close(const std::string& ref, const std::string& got, const s
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
     const double d = std::abs(b[i] - a[i]) / std::abs(a[i]);
     worst = std::max(worst, d);
-    EXPECT_LT(d, 5e-3) << got << " step " << i + 1 << ": " << b[i] << " vs " << a[i];
+    EXPECT_LT(d, 1e-3) << got << " step " << i + 1 << ": " << b[i] << " vs " << a[i];
   }
   auto fa = SafeTensorsFile::open(final_file(ref, method)),
        fb = SafeTensorsFile::open(final_file(got, method));
@@ -65,8 +67,8 @@ double expect_bf16_close(const std::string& ref, const std::string& got, const s
     }
   }
   const double rel = std::sqrt(num / std::max(den, 1e-30));
-  EXPECT_LT(rel, 2e-2) << got << ": weights differ by " << rel << " (relative L2)";
-  EXPECT_LT(worst_abs, 4 * 1e-2 * double(steps)) << got;
+  EXPECT_LT(rel, 2e-3) << got << ": weights differ by " << rel << " (relative L2)";
+  EXPECT_LT(worst_abs, 2e-3) << got;
   std::printf("%s vs %s: worst loss difference %.2e, weights %.2e relative L2, %.2e at most\n",
               got.c_str(), ref.c_str(), worst, rel, worst_abs);
   return worst;

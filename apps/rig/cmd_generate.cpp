@@ -32,6 +32,13 @@ struct GenOpts {
 };
 
 int run_generate(const GenOpts& o) {
+  {
+    rig::GenerateOptions check;  // flags first, before the model loads
+    check.max_new_tokens = o.max_new;
+    check.temperature = o.temperature;
+    check.top_p = o.top_p;
+    rig::check_generate_options(check);
+  }
   auto m = load_model(o.model, o.adapter);
   rig::Tokenizer tok = rig::Tokenizer::load(find_tokenizer(o.tokenizer, o.model));
   auto ids = tok.encode(o.prompt, rig::EncodeOptions{o.special, false});

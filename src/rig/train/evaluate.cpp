@@ -26,9 +26,45 @@ std::string describe(const Tokenizer& tok, const std::vector<int32_t>& ids) {
 
 }  // namespace
 
+void check_generate_options(const GenerateOptions& opt) {
+  if (!std::isfinite(opt.temperature) || opt.temperature < 0)
+    bad_input("--temperature {}: must be a finite number >= 0 (0: greedy)", opt.temperature);
+  if (!std::isfinite(opt.top_p) || opt.top_p <= 0 || opt.top_p > 1)
+    bad_input("--top-p {}: must be in (0, 1]", opt.top_p);
+  if (opt.max_new_tokens < 0 || opt.max_new_tokens > 1000000)
+    bad_input("--max-new-tokens {}: must be between 0 and 1000000", opt.max_new_tokens);
+}
+
+int32_t sample_token(const std::vector<float>& logits, float temperature, float top_p,
+                     std::mt19937_64& rng) {
+  RIG_CHECK(!logits.empty(), "sample_token: no logits");
+  if (temperature <= 0)
+    return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  // Softmax with temperature, then nucleus (top-p) sampling.
+  std::vector<std::pair<double, int32_t>> p;
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const double e = std::exp(double(logits[i] - mx) / double(temperature));
+    p.emplace_back(e, int32_t(i));
+    sum += e;
+  }
+  std::sort(p.begin(), p.end(), std::greater<>());
+  double keep = p[0].first;
+  size_t k = 1;
+  while (k < p.size() && keep < double(top_p) * sum) keep += p[k++].first;
+  std::uniform_real_distribution<double> u(0, keep);
+  const double r = u(rng);
+  double acc = 0;
+  for (size_t i = 0; i < k; ++i)
+    if ((acc += p[i].first) >= r) return p[i].second;
+  return p[k - 1].second;
+}
+
 std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt) {
   RIG_CHECK(!prompt.empty(), "generate needs a non-empty prompt");
+  check_generate_options(opt);
   auto cache = model.new_cache(int64_t(prompt.size()) + opt.max_new_tokens + 1);
   std::vector<float> logits =
       model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
@@ -38,32 +74,7 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
   std::vector<int32_t> out;
   for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
     logits.resize(limit);
-    int32_t next = 0;
-    if (opt.temperature <= 0) {
-      next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    } else {
-      // Softmax with temperature, then nucleus (top-p) sampling.
-      std::vector<std::pair<float, int32_t>> p;
-      float mx = *std::max_element(logits.begin(), logits.end());
-      double sum = 0;
-      for (size_t i = 0; i < logits.size(); ++i) {
-        float e = std::exp((logits[i] - mx) / opt.temperature);
-        p.emplace_back(e, int32_t(i));
-        sum += e;
-      }
-      std::sort(p.begin(), p.end(), std::greater<>());
-      double keep = 0;
-      size_t k = 0;
-      while (k < p.size() && keep < opt.top_p * sum) keep += p[k++].first;
-      std::uniform_real_distribution<double> u(0, keep);
-      double r = u(rng), acc = 0;
-      next = p[k - 1].second;
-      for (size_t i = 0; i < k; ++i)
-        if ((acc += p[i].first) >= r) {
-          next = p[i].second;
-          break;
-        }
-    }
+    const int32_t next = sample_token(logits, opt.temperature, opt.top_p, rng);
     out.push_back(next);
     if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) break;
     logits = model.decode(cache, {next});

@@ -5,6 +5,7 @@
 #pragma once
 #include <atomic>
 #include <functional>
+#include <random>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,5 +75,13 @@ struct GenerateOptions {
 };
 std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt);
+// InputError naming the flag when a setting is out of range: temperature finite and >= 0, top_p
+// in (0, 1], max_new_tokens in [0, 1e6].
+void check_generate_options(const GenerateOptions& opt);
+// One token from `logits` as generate() draws it: the argmax at temperature 0, else softmax at
+// `temperature`, cut to the smallest set of most likely tokens whose mass reaches top_p (at least
+// one), renormalised.
+int32_t sample_token(const std::vector<float>& logits, float temperature, float top_p,
+                     std::mt19937_64& rng);
 
 }  // namespace rig

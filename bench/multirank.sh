@@ -49,7 +49,7 @@ c)
   start=$(date +%s)
   timeout ${T70:-540} "$R" train configs/llama3-70b-qlora-4x24gb.yaml --nproc-per-node 4 --quiet --output "$run" \
     --set init=random architecture=llama3-70b max_steps=${STEPS70:-20} gradient_accumulation_steps=1 \
-    num_epochs=4 schedule.warmup_steps=2 optimizer.lr=5e-4 "${data[@]}" > "$out/70b.log" 2>&1
+    num_epochs=4 schedule.warmup_steps=2 optimizer.lr=5e-4 "${data[@]}" ${EXTRA70:-} > "$out/70b.log" 2>&1
   rc=$?
   echo "70b QLoRA on 4 ranks: rc $rc in $(( $(date +%s) - start )) s"
   if [ $rc != 0 ] && [ $(( $(date +%s) - start )) -lt 150 ]; then

@@ -134,7 +134,10 @@ size_t parse_bytes(std::string_view text, std::string_view what) {
                             {"G", 1e9},   {"GB", 1e9},    {"GiB", 1073741824.}, {"T", 1e12},
                             {"TB", 1e12}, {"TiB", 1099511627776.}};
   for (const auto& u : units)
-    if (unit == u.name) return size_t(std::llround(v * u.mult));
+    if (unit == u.name) {
+      if (v * u.mult > 0x1p62) bad_input("{}: '{}' is too large a size", what, text);
+      return size_t(std::llround(v * u.mult));
+    }
   bad_input("{}: unknown unit '{}' in '{}' (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", what, unit,
             text);
 }

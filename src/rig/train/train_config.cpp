@@ -97,6 +97,12 @@ void TrainConfig::validate() const {
        std::to_string(gradient_accumulation_steps));
   need(max_steps >= 0, "max_steps", "must be 0 or more", std::to_string(max_steps));
   need(num_epochs >= 0, "num_epochs", "must be 0 or more", fmt::format("{}", num_epochs));
+  // Past these bounds a step count, milliseconds or bytes would overflow their integers.
+  need(num_epochs <= 1e6, "num_epochs", "must be at most 1000000", fmt::format("{}", num_epochs));
+  need(dist.timeout_s <= 1e6, "dist.timeout_s", "must be at most 1000000 seconds",
+       fmt::format("{}", dist.timeout_s));
+  need(dist.bucket_mb <= 1e6, "dist.bucket_mb", "must be at most 1000000",
+       fmt::format("{}", dist.bucket_mb));
   if (max_steps == 0 && num_epochs <= 0)
     bad_input("{}: the run has no length: set 'max_steps' or 'num_epochs'", s);
   need(optimizer.lr > 0, "optimizer.lr", "(learning_rate) must be more than 0",

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/core/error.h"
 #include "rig/ops/attention_bench.h"
 
@@ -62,21 +63,30 @@ int run(const Opts& o) {
 rig::cli::Registrar reg(
     "bench attention", "Measure attention forward/backward TFLOP/s per implementation",
     [](CLI::App& app) {
+      using namespace rig::cli;
       auto o = std::make_shared<Opts>();
-      app.add_option("--batch", o->b.batch, "batch")->capture_default_str();
-      app.add_option("--seq", o->b.seq, "sequence length")->capture_default_str();
-      app.add_option("--heads", o->b.heads, "query heads")->capture_default_str();
-      app.add_option("--kv-heads", o->b.kv_heads, "key/value heads")->capture_default_str();
-      app.add_option("--head-dim", o->b.head_dim, "head dimension")->capture_default_str();
-      app.add_option("--packed", o->b.packed_avg,
-                     "packed segments of this average length (0: one causal sequence per row)")
+      add_number(app, "--batch", o->b.batch, "batch", in_range(1, 1 << 20))->capture_default_str();
+      add_number(app, "--seq", o->b.seq, "sequence length", in_range(1, 1 << 24))
+          ->capture_default_str();
+      add_number(app, "--heads", o->b.heads, "query heads", in_range(1, 4096))
+          ->capture_default_str();
+      add_number(app, "--kv-heads", o->b.kv_heads, "key/value heads", in_range(1, 4096))
+          ->capture_default_str();
+      add_number(app, "--head-dim", o->b.head_dim, "head dimension", in_range(1, 4096))
+          ->capture_default_str();
+      add_number(app, "--packed", o->b.packed_avg,
+                 "packed segments of this average length (0: one causal sequence per row)",
+                 in_range(0, 1 << 24))
           ->capture_default_str();
       app.add_option("--impl", o->impls, "comma-separated: cudnn, flash, reference")
           ->capture_default_str();
-      app.add_option("--iters", o->b.iters, "timed repetitions (the median is reported)")
+      add_number(app, "--iters", o->b.iters, "timed repetitions (the median is reported)",
+                 in_range(1, 1000000))
           ->capture_default_str();
-      app.add_option("--warmup", o->b.warmup, "untimed repetitions first")->capture_default_str();
-      app.add_option("--device", o->b.device, "CUDA device index")->capture_default_str();
+      add_number(app, "--warmup", o->b.warmup, "untimed repetitions first", in_range(0, 1000000))
+          ->capture_default_str();
+      add_number(app, "--device", o->b.device, "CUDA device index", in_range(0, 1023))
+          ->capture_default_str();
       app.add_flag("--deterministic", o->b.deterministic, "cuDNN's bitwise-repeatable backward");
       app.add_flag("--json", o->json, "one JSON line per implementation");
       return [o] { return run(*o); };

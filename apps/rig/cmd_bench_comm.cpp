@@ -4,36 +4,19 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "flags.h"
 #include "launch_flags.h"
-#include "rig/dist/bench.h"
 #include "rig/core/host_memory.h"
+#include "rig/dist/bench.h"
 #include "rig/dist/communicator.h"
 
 namespace {
 
 using json = nlohmann::json;
 
-size_t parse_bytes(const std::string& s) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (...) {
-    rig::bad_input("'{}' is not a size (examples: 1024, 64K, 256M, 1G)", s);
-  }
-  std::string unit = s.substr(used);
-  double mult = 1;
-  if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "K" || unit == "KiB" || unit == "KB") mult = 1024.0;
-  else if (unit == "M" || unit == "MiB" || unit == "MB") mult = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GiB" || unit == "GB") mult = 1024.0 * 1024 * 1024;
-  else rig::bad_input("'{}': unknown size unit '{}' (use K, M or G)", s, unit);
-  if (v <= 0) rig::bad_input("size '{}' must be positive", s);
-  return size_t(v * mult);
-}
-
 struct Args {
-  std::string op = "all_reduce", min_bytes = "1K", max_bytes = "64M", backend;
+  std::string op = "all_reduce", backend;
+  size_t min_bytes = 1 << 10, max_bytes = 64 << 20;
   int iters = 20, warmup = 5, timeout_s = 120;
   bool as_json = false;
   rig::cli::LaunchFlags launch;
@@ -45,8 +28,8 @@ int run(const Args& a) {
   CommBenchOptions o;
   o.ops = a.op == "all" ? all_comm_ops() : std::vector<std::string>{a.op};
   for (auto& op : o.ops) busbw_factor(op, 1);  // validate before any rendezvous
-  o.min_bytes = parse_bytes(a.min_bytes);
-  o.max_bytes = parse_bytes(a.max_bytes);
+  o.min_bytes = a.min_bytes;
+  o.max_bytes = a.max_bytes;
   o.iters = a.iters;
   o.warmup = a.warmup;
   Backend backend = a.backend.empty() ? default_backend() : parse_backend(a.backend);
@@ -54,9 +37,10 @@ int run(const Args& a) {
   co.timeout = std::chrono::seconds(a.timeout_s);
   const DistEnv env = env_from_process();
   std::unique_ptr<Group> group;
-  if (a.backend.empty() && rig::cuda_available()) {
-    // GPU tensors: NCCL with a GPU per rank, Gloo staged in host memory when ranks share GPUs.
-    const Placement where = place_rank(env, rig::cuda_device_count());
+  if ((a.backend.empty() || backend == Backend::Nccl) && rig::cuda_available()) {
+    // GPU tensors: NCCL with a GPU per rank, Gloo staged in host memory when ranks share GPUs
+    // (an explicit --backend nccl with more ranks than GPUs is one line saying so).
+    const Placement where = place_rank(env, rig::cuda_device_count(), a.backend);
     if (env.rank == 0 && where.ranks_per_gpu > 1)
       fmt::print(stderr, "rig: {}\n", where.describe(env.local_world));
     backend = where.backend;
@@ -109,13 +93,23 @@ rig::cli::Registrar reg("bench comm", "Measure collective bandwidth (nccl-tests 
                           auto a = std::make_shared<Args>();
                           app.add_option("--op", a->op, "all_reduce, reduce_scatter, all_gather, broadcast or all")
                               ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all"}));
-                          app.add_option("--min-bytes", a->min_bytes, "smallest size (1K, 4M, ...)");
-                          app.add_option("--max-bytes", a->max_bytes, "largest size");
-                          app.add_option("--iters", a->iters, "timed iterations per size");
-                          app.add_option("--warmup", a->warmup, "untimed iterations per size");
+                          using namespace rig::cli;
+                          // K, M, G count 1024s, as nccl-tests' -b/-e do.
+                          const SizeRule size{.min = 4, .max = 0x1p34, .binary = true};
+                          add_size(app, "--min-bytes", a->min_bytes, "smallest size (1K, 4M, ...)",
+                                   size)
+                              ->default_str("1K");
+                          add_size(app, "--max-bytes", a->max_bytes, "largest size", size)
+                              ->default_str("64M");
+                          add_number(app, "--iters", a->iters, "timed iterations per size",
+                                     in_range(1, 1000000));
+                          add_number(app, "--warmup", a->warmup, "untimed iterations per size",
+                                     in_range(0, 1000000));
                           app.add_option("--backend", a->backend, "gloo or nccl (default: nccl with a GPU)")
                               ->check(CLI::IsMember({"gloo", "nccl"}));
-                          app.add_option("--timeout", a->timeout_s, "seconds before a missing peer is an error");
+                          add_number(app, "--timeout", a->timeout_s,
+                                     "seconds before a missing peer is an error",
+                                     in_range(1, 86400));
                           app.add_flag("--json", a->as_json, "print one JSON object");
                           a->launch.add(app);
                           return [a] { return run(*a); };

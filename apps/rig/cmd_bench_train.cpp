@@ -9,6 +9,7 @@
 #include <random>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/core/allocator.h"
 #include "rig/io/atomic_file.h"
 #include "rig/model/catalog.h"
@@ -78,23 +79,8 @@ rig::TrainConfig train_config(const Opts& o) {
 }
 
 void check_flags(const Opts& o) {
-  // Sizes are checked here, so a bad flag is one line naming it (not an internal check deep in
-  // tensor allocation), and no run of zero steps prints a rate of 0/0.
-  for (auto [flag, v] : {std::pair{"--steps", o.steps},
-                         {"--batch", o.batch},
-                         {"--seq", o.seq},
-                         {"--hidden", o.hidden},
-                         {"--layers", o.layers},
-                         {"--heads", o.heads},
-                         {"--kv-heads", o.kv_heads},
-                         {"--intermediate", o.inter},
-                         {"--vocab", o.vocab},
-                         {"--lora-r", int64_t(o.lora_r)},
-                         {"--loss-chunk-rows", o.loss_chunk_rows.value_or(1)}})
-    if (v < 1) rig::bad_input("{} must be at least 1, found {}", flag, v);
-  // Documents of one token (--packed 1) have no target: the loss would be 0 over nothing.
-  if (o.packed < 0 || o.packed == 1)
-    rig::bad_input("--packed must be 0 (whole rows) or at least 2, found {}", o.packed);
+  // Sizes and counts are checked as the command line is parsed (flags.h): one line naming the
+  // flag, before any tensor is allocated.
   if (o.method != "full" && o.method != "lora" && o.method != "qlora")
     rig::bad_input("--method '{}' is not one of full, lora, qlora", o.method);
   if (o.optimizer != "adamw" && o.optimizer != "adamw8bit")
@@ -265,50 +251,71 @@ int run(const Opts& o) {
   return 0;
 }
 
-rig::cli::Registrar reg("bench train", "Measure training tokens/s and peak memory", [](CLI::App& app) {
-  auto o = std::make_shared<Opts>();
-  app.add_option(
-      "--preset", o->preset,
-      "a model catalogue shape (llama3-1b, llama3-8b, ...; those two are bench/hf_baseline.py's)");
-  app.add_option("--precision", o->precision, "auto (bf16 on CUDA), bf16 or fp32")->capture_default_str();
-  app.add_option("--lora-targets", o->lora_targets, "all, or modules like q_proj,k_proj,v_proj,o_proj")->capture_default_str();
-  app.add_option("--model", o->model, "Hugging Face model folder (default: a random model of the shape below)");
-  app.add_option("--hidden", o->hidden, "hidden size")->capture_default_str();
-  app.add_option("--layers", o->layers, "layers")->capture_default_str();
-  app.add_option("--heads", o->heads, "attention heads")->capture_default_str();
-  app.add_option("--kv-heads", o->kv_heads, "key/value heads")->capture_default_str();
-  app.add_option("--intermediate", o->inter, "MLP size")->capture_default_str();
-  app.add_option("--vocab", o->vocab, "vocabulary")->capture_default_str();
-  app.add_option("--batch", o->batch, "micro-batch")->capture_default_str();
-  app.add_option("--seq", o->seq, "sequence length")->capture_default_str();
-  app.add_option("--packed", o->packed,
+rig::cli::Registrar reg(
+    "bench train", "Measure training tokens/s and peak memory", [](CLI::App& app) {
+      using namespace rig::cli;
+      auto o = std::make_shared<Opts>();
+      app.add_option("--preset", o->preset,
+                     "a model catalogue shape (llama3-1b, llama3-8b, ...; those two are "
+                     "bench/hf_baseline.py's)");
+      app.add_option("--precision", o->precision, "auto (bf16 on CUDA), bf16 or fp32")
+          ->capture_default_str();
+      app.add_option("--lora-targets", o->lora_targets,
+                     "all, or modules like q_proj,k_proj,v_proj,o_proj")
+          ->capture_default_str();
+      app.add_option("--model", o->model,
+                     "Hugging Face model folder (default: a random model of the shape below)");
+      add_number(app, "--hidden", o->hidden, "hidden size", in_range(1, 1 << 20))
+          ->capture_default_str();
+      add_number(app, "--layers", o->layers, "layers", in_range(1, 1 << 16))->capture_default_str();
+      add_number(app, "--heads", o->heads, "attention heads", in_range(1, 4096))
+          ->capture_default_str();
+      add_number(app, "--kv-heads", o->kv_heads, "key/value heads", in_range(1, 4096))
+          ->capture_default_str();
+      add_number(app, "--intermediate", o->inter, "MLP size", in_range(1, 1 << 22))
+          ->capture_default_str();
+      add_number(app, "--vocab", o->vocab, "vocabulary", in_range(1, 1 << 24))
+          ->capture_default_str();
+      add_number(app, "--batch", o->batch, "micro-batch", in_range(1, 1 << 20))
+          ->capture_default_str();
+      add_number(app, "--seq", o->seq, "sequence length", in_range(1, 1 << 24))
+          ->capture_default_str();
+      // --packed 1: documents of one token have no target (a loss of 0 over nothing).
+      add_number(app, "--packed", o->packed,
                  "pack each row with random documents of this average length, as rig train packs "
-                 "data (lengths uniform in 1..2N-1); 0: one document per row")
-      ->capture_default_str();
-  app.add_option("--steps", o->steps, "timed steps")->capture_default_str();
-  app.add_option("--method", o->method, "full, lora or qlora (LoRA on NF4 weights)")
-      ->capture_default_str();
-  app.add_option("--lora-r", o->lora_r, "LoRA rank")->capture_default_str();
-  app.add_option("--optimizer", o->optimizer, "adamw (float32 moments) or adamw8bit")
-      ->capture_default_str();
-  app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
-  app.add_flag("--checkpointing{full}", o->ckpt,
-               "activation checkpointing: none, selective (recompute the element-wise work) or "
-               "full (recompute each layer's forward); the bare flag means full")
-      ->capture_default_str();
-  app.add_option("--recompute-layers", o->recompute_layers,
+                 "data (lengths uniform in 1..2N-1); 0: one document per row",
+                 in_range(2, 1 << 24).or_value(0, "whole rows"))
+          ->capture_default_str();
+      add_number(app, "--steps", o->steps, "timed steps", in_range(1, 1000000))
+          ->capture_default_str();
+      app.add_option("--method", o->method, "full, lora or qlora (LoRA on NF4 weights)")
+          ->capture_default_str();
+      add_number(app, "--lora-r", o->lora_r, "LoRA rank", in_range(1, 65536))
+          ->capture_default_str();
+      app.add_option("--optimizer", o->optimizer, "adamw (float32 moments) or adamw8bit")
+          ->capture_default_str();
+      app.add_option("--device", o->device, "cpu, cuda or cuda:N")->capture_default_str();
+      app.add_flag("--checkpointing{full}", o->ckpt,
+                   "activation checkpointing: none, selective (recompute the element-wise work) or "
+                   "full (recompute each layer's forward); the bare flag means full")
+          ->capture_default_str();
+      add_number(app, "--recompute-layers", o->recompute_layers,
                  "with full checkpointing: layers that recompute their forward, the rest run "
-                 "selective (-1: all)")
-      ->capture_default_str();
-  app.add_option("--loss-chunk-rows", o->loss_chunk_rows,
+                 "selective (-1: all)",
+                 in_range(-1, 1 << 16))
+          ->capture_default_str();
+      add_number(app, "--loss-chunk-rows", o->loss_chunk_rows,
                  "rows of logits the loss materialises at once (memory against fewer, larger "
-                 "LM-head products; default: about 512 MiB of them)");
-  app.add_flag("--json", o->json, "one JSON line");
-  app.add_flag("--profile", o->profile,
-               "time one more step op by op: milliseconds per category (matmul, attention, norm, "
-               "elementwise, loss, optimizer) and the rest (copies, launch gaps, host work)");
-  app.add_option("--trace", o->trace, "write that profiled step as a Chrome trace (Perfetto) JSON file");
-  return [o] { return run(*o); };
-});
+                 "LM-head products; default: about 512 MiB of them)",
+                 in_range(1, int64_t(1) << 40));
+      app.add_flag("--json", o->json, "one JSON line");
+      app.add_flag(
+          "--profile", o->profile,
+          "time one more step op by op: milliseconds per category (matmul, attention, norm, "
+          "elementwise, loss, optimizer) and the rest (copies, launch gaps, host work)");
+      app.add_option("--trace", o->trace,
+                     "write that profiled step as a Chrome trace (Perfetto) JSON file");
+      return [o] { return run(*o); };
+    });
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/core/allocator.h"
 #include "rig/train/checkpoint.h"
 
@@ -67,13 +68,15 @@ rig::cli::Registrar verify_reg(
     "Check a checkpoint (or every checkpoint of a run folder): manifest, checksums, NaN/Inf and "
     "implausible magnitudes. Exits 2 on any problem",
     [](CLI::App& app) {
+      using namespace rig::cli;
       auto dir = std::make_shared<std::string>();
       auto js = std::make_shared<bool>(false);
       auto max_abs = std::make_shared<double>(1e4);
       auto no_scan = std::make_shared<bool>(false);
       app.add_option("dir", *dir, "checkpoint folder (step-N) or run folder")->required();
       app.add_flag("--json", *js, "print JSON");
-      app.add_option("--max-abs", *max_abs, "flag float values above this magnitude (0: off)")
+      add_number(app, "--max-abs", *max_abs, "flag float values above this magnitude (0: off)",
+                 at_least(0))
           ->capture_default_str();
       app.add_flag("--no-scan", *no_scan, "only check the manifest and checksums");
       return [=] { return run_verify(*dir, *js, *max_abs, !*no_scan); };

@@ -4,10 +4,13 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/data/dataset.h"
 #include "rig/text/tokenizer.h"
 
 namespace {
+
+using namespace rig::cli;  // add_number and its ranges
 
 using json = nlohmann::json;
 
@@ -90,7 +93,7 @@ rig::cli::Registrar prep(
       app.add_flag("--train-on-all", a->train_on_all, "loss on prompt tokens too");
       app.add_flag("--skip-invalid", a->skip_invalid, "skip bad records and report how many");
       app.add_flag("--force", a->force, "rebuild even when the cache is current");
-      app.add_option("--threads", a->threads, "tokenization threads (0: all)");
+      add_number(app, "--threads", a->threads, "tokenization threads (0: all)", in_range(0, 1024));
       app.add_flag("--json", a->as_json, "print one JSON object");
       return [=] { return run_prepare(*a); };
     });
@@ -102,7 +105,7 @@ rig::cli::Registrar insp("data inspect", "Show a prepared dataset cache and its 
                            auto n = std::make_shared<int>(3);
                            app.add_option("dir", *dir, "cache folder")->required();
                            app.add_option("--tokenizer", *tok, "decode samples with this tokenizer");
-                           app.add_option("-n", *n, "samples to show");
+                           add_number(app, "-n", *n, "samples to show", at_least(0));
                            return [=] { return run_inspect(*dir, *tok, *n); };
                          });
 

@@ -7,7 +7,9 @@
 #include <thread>
 
 #include "command.h"
+#include "flags.h"
 #include "launch_flags.h"
+#include "rig/core/host_memory.h"
 #include "rig/dist/communicator.h"
 
 namespace {
@@ -28,7 +30,10 @@ int run(const Args& a) {
   DistEnv env = env_from_process();
   CommOptions co;
   co.timeout = Millis(a.timeout_ms);
-  auto group = init_group(env, parse_backend(a.backend), co);
+  // NCCL takes a GPU per rank: place_rank says so in one line when there are more ranks.
+  auto group = parse_backend(a.backend) == Backend::Nccl
+                   ? init_group(env, place_rank(env, rig::cuda_device_count(), a.backend), co)
+                   : init_group(env, Backend::Gloo, co);
   auto& c = *group->comm;
   int w = c.world(), r = c.rank();
   for (int k = 0; k < a.iters; k++) {
@@ -59,12 +64,17 @@ rig::cli::Registrar reg("debug allreduce-check", "Check an all-reduce across lau
                         [](CLI::App& app) {
                           app.group("");  // hidden from --help
                           auto a = std::make_shared<Args>();
-                          app.add_option("--numel", a->numel, "elements per all-reduce");
-                          app.add_option("--iters", a->iters, "all-reduces to check");
-                          app.add_option("--fail-rank", a->fail_rank, "this rank fails at iteration 1");
+                          using namespace rig::cli;
+                          add_number(app, "--numel", a->numel, "elements per all-reduce",
+                                     in_range(1, 1 << 30));
+                          add_number(app, "--iters", a->iters, "all-reduces to check",
+                                     in_range(0, 1000000));
+                          add_number(app, "--fail-rank", a->fail_rank,
+                                     "this rank fails at iteration 1", at_least(-1));
                           app.add_option("--fail-mode", a->fail_mode, "exit, kill or hang")
                               ->check(CLI::IsMember({"exit", "kill", "hang"}));
-                          app.add_option("--timeout-ms", a->timeout_ms, "collective and rendezvous timeout");
+                          add_number(app, "--timeout-ms", a->timeout_ms,
+                                     "collective and rendezvous timeout", in_range(1, 86400000));
                           app.add_option("--backend", a->backend, "gloo or nccl")->check(CLI::IsMember({"gloo", "nccl"}));
                           a->launch.add(app);
                           return [a] { return run(*a); };

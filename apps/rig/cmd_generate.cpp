@@ -2,11 +2,14 @@
 #include <filesystem>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/data/records.h"
 #include "rig/model/config.h"
 #include "rig/train/trainer.h"
 
 namespace {
+
+using namespace rig::cli;  // add_number and its ranges
 
 namespace fs = std::filesystem;
 
@@ -116,10 +119,12 @@ rig::cli::Registrar gen("generate", "Generate text from a model (and adapter) wi
   app.add_option("--adapter", o->adapter, "PEFT LoRA adapter folder");
   app.add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model folder's)");
   app.add_option("--prompt", o->prompt, "prompt text (special tokens written in it are matched)")->required();
-  app.add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str();
-  app.add_option("--temperature", o->temperature, "0: greedy")->capture_default_str();
-  app.add_option("--top-p", o->top_p, "nucleus sampling mass")->capture_default_str();
-  app.add_option("--seed", o->seed, "sampling seed")->capture_default_str();
+  add_number(app, "--max-new-tokens", o->max_new, "tokens to generate", in_range(0, 1000000))
+      ->capture_default_str();
+  add_number(app, "--temperature", o->temperature, "0: greedy", at_least(0))->capture_default_str();
+  add_number(app, "--top-p", o->top_p, "nucleus sampling mass", in_range(0, 1).open_low())
+      ->capture_default_str();
+  add_number(app, "--seed", o->seed, "sampling seed", at_least(0))->capture_default_str();
   return [o] { return run_generate(*o); };
 });
 
@@ -131,9 +136,10 @@ rig::cli::Registrar ev("eval", "Loss and perplexity of a model (and adapter) on 
   app.add_option("--data", o->data, "dataset (alpaca, chat, text or tokens)")->required();
   app.add_option("--format", o->format, "auto, alpaca, chat, text, tokens")->capture_default_str();
   app.add_option("--template", o->chat, "chat template: auto, llama3, chatml")->capture_default_str();
-  app.add_option("--seq", o->seq, "sequence length")->capture_default_str();
-  app.add_option("--batch", o->batch, "micro-batch")->capture_default_str();
-  app.add_option("--generate", o->generate, "also measure exact match of greedy responses on N samples");
+  add_number(app, "--seq", o->seq, "sequence length", in_range(1, 1 << 24))->capture_default_str();
+  add_number(app, "--batch", o->batch, "micro-batch", in_range(1, 1 << 20))->capture_default_str();
+  add_number(app, "--generate", o->generate,
+             "also measure exact match of greedy responses on N samples", at_least(0));
   return [o] { return run_eval(*o); };
 });
 

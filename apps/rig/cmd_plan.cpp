@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/core/allocator.h"
 #include "rig/plan/models.h"
 #include "rig/plan/planner.h"
@@ -14,7 +15,6 @@ using namespace rig::plan;
 struct Flags {
   std::string model = "llama3-8b", method = "qlora", targets = "q,k,v,o", ckpt = "full";
   std::string optimizer = "adamw", strategy = "data-parallel", precision = "bf16";
-  std::string max_memory;
   std::vector<std::string> catalogs;
   bool json = false, eager = false;
   PlanInput in;
@@ -35,7 +35,6 @@ int run_plan(Flags f) {
   s.precision = parse_precision(f.precision);
   s.flash_attention = !f.eager;
   if (s.precision == Precision::fp32) s.context_bytes = s.gemm_workspace_bytes = 0;
-  if (!f.max_memory.empty()) in.max_memory = double(rig::parse_bytes(f.max_memory, "--max-memory"));
   Plan p = make_plan(in, catalog);
   if (f.json)
     std::cout << p.to_json().dump(1) << "\n";
@@ -47,6 +46,7 @@ int run_plan(Flags f) {
 rig::cli::Registrar reg(
     "plan", "Will it fit, how fast, which PSU, what it costs: plan a fine-tuning run",
     [](CLI::App& app) {
+      using namespace rig::cli;
       auto f = std::make_shared<Flags>();
       PlanInput& in = f->in;
       TrainSetup& s = in.setup;
@@ -55,19 +55,24 @@ rig::cli::Registrar reg(
                      "config.json or model folder")
           ->capture_default_str();
       app.add_option("--method", f->method, "full, lora or qlora")->capture_default_str();
-      app.add_option("--rank,-r", s.lora_rank, "LoRA rank")->capture_default_str();
+      add_number(app, "--rank,-r", s.lora_rank, "LoRA rank", in_range(1, 65536))
+          ->capture_default_str();
       app.add_option("--targets", f->targets, "LoRA targets among q,k,v,o,gate,up,down (or all)")
           ->capture_default_str();
-      app.add_option("--seq,-s", s.seq_len, "sequence length")->capture_default_str();
-      app.add_option("--micro-batch,-b", s.micro_batch, "sequences per GPU per micro-step")
+      add_number(app, "--seq,-s", s.seq_len, "sequence length", in_range(1, 1 << 24))
           ->capture_default_str();
-      app.add_option("--grad-accum", s.grad_accum, "micro-steps per optimizer step")
+      add_number(app, "--micro-batch,-b", s.micro_batch, "sequences per GPU per micro-step",
+                 in_range(1, 1 << 16))
+          ->capture_default_str();
+      add_number(app, "--grad-accum", s.grad_accum, "micro-steps per optimizer step",
+                 in_range(1, 1 << 20))
           ->capture_default_str();
       app.add_option("--checkpointing", f->ckpt, "activation checkpointing: none, full, selective")
           ->capture_default_str();
-      app.add_option("--recompute-layers", s.recompute_layers,
-                     "with full checkpointing: layers that recompute their forward, the rest "
-                     "selective (-1: all)")
+      add_number(app, "--recompute-layers", s.recompute_layers,
+                 "with full checkpointing: layers that recompute their forward, the rest "
+                 "selective (-1: all)",
+                 in_range(-1, 1 << 16))
           ->capture_default_str();
       app.add_option("--optimizer", f->optimizer, "adamw (fp32 states) or adamw8bit")
           ->capture_default_str();
@@ -76,47 +81,64 @@ rig::cli::Registrar reg(
       app.add_option("--precision", f->precision, "bf16 (GPU engine) or fp32 (CPU engine)")
           ->capture_default_str();
       app.add_flag("--eager-attention", f->eager, "attention saves its T x T probabilities");
-      app.add_option("--loss-chunk", s.loss_chunk_tokens, "tokens per logits chunk of the loss")
+      add_number(app, "--loss-chunk", s.loss_chunk_tokens, "tokens per logits chunk of the loss",
+                 in_range(0, 1 << 30))
           ->capture_default_str();
       app.add_option("--gpus,-g", in.gpus, "cards per node: 4x4090 or 2x4090,1x3090")
           ->capture_default_str();
-      app.add_option("--nodes", in.nodes, "nodes")->capture_default_str();
+      add_number(app, "--nodes", in.nodes, "nodes", in_range(1, 1 << 16))->capture_default_str();
       app.add_option("--platform", in.platform,
                      "lanes from a platform: z790, x670e, w3300, w790, epyc");
       app.add_option("--pcie", in.pcie, "links per card: gen4x8,gen4x8,gen4x4c,... (c: chipset)");
       app.add_flag("--nvlink", in.nvlink, "NVLink bridges installed (pairs of 3090/A6000)");
       app.add_option("--network", in.network, "between nodes: eth:10, roce:40, ib:200 (Gbit/s)");
       app.add_option("--catalog", f->catalogs, "YAML file adding or overriding GPUs (repeatable)");
-      app.add_option("--max-memory", f->max_memory, "usable memory per card, e.g. 22GiB");
-      app.add_option("--efficiency", in.efficiency, "achieved fraction of dense bf16 TFLOPS")
+      add_size(app, "--max-memory", in.max_memory,
+               "usable memory per card, e.g. 22GiB (default: the card's)",
+               SizeRule{.min = 1, .max = 0x1p50, .binary = false});
+      add_number(app, "--efficiency", in.efficiency, "achieved fraction of dense bf16 TFLOPS",
+                 in_range(0, 1).open_low())
           ->capture_default_str();
-      app.add_option("--overlap", in.overlap, "fraction of communication hidden by compute")
+      add_number(app, "--overlap", in.overlap, "fraction of communication hidden by compute",
+                 in_range(0, 1))
           ->capture_default_str();
-      app.add_option("--tokens", in.tokens, "training tokens of the job")->capture_default_str();
-      app.add_option("--hours", in.job_hours, "job duration on this hardware (overrides --tokens)");
-      app.add_option("--psu", in.psu_w, "PSU watts per node to check");
-      app.add_option("--power-limit", in.power_limit_w, "per-card power limit, watts");
-      app.add_option("--system-watts", in.system_w, "CPU, board, disks, fans per node")
+      add_number(app, "--tokens", in.tokens, "training tokens of the job", positive())
           ->capture_default_str();
-      app.add_option("--fit-per-gb", in.fit_per_gb, "bit-error rate of non-ECC memory, FIT per GB");
-      app.add_option("--mtbf-hours", in.other_mtbf_hours,
-                     "MTBF of other failures (crashes, power)");
-      app.add_option("--checkpoint-gbs", in.checkpoint_write_gbs, "checkpoint write speed, GB/s")
+      add_number(app, "--hours", in.job_hours, "job duration on this hardware (overrides --tokens)",
+                 at_least(0));
+      add_number(app, "--psu", in.psu_w, "PSU watts per node to check", at_least(0));
+      add_number(app, "--power-limit", in.power_limit_w, "per-card power limit, watts",
+                 at_least(0));
+      add_number(app, "--system-watts", in.system_w, "CPU, board, disks, fans per node",
+                 at_least(0))
           ->capture_default_str();
-      app.add_option("--checkpoint-seconds", in.checkpoint_seconds, "checkpoint write time");
+      add_number(app, "--fit-per-gb", in.fit_per_gb, "bit-error rate of non-ECC memory, FIT per GB",
+                 at_least(0));
+      add_number(app, "--mtbf-hours", in.other_mtbf_hours,
+                 "MTBF of other failures (crashes, power)", at_least(0));
+      add_number(app, "--checkpoint-gbs", in.checkpoint_write_gbs, "checkpoint write speed, GB/s",
+                 positive())
+          ->capture_default_str();
+      add_number(app, "--checkpoint-seconds", in.checkpoint_seconds, "checkpoint write time",
+                 at_least(0));
       app.add_option("--currency", in.currency, "label for money")->capture_default_str();
-      app.add_option("--fx", in.fx, "currency units per USD for catalog prices")
+      add_number(app, "--fx", in.fx, "currency units per USD for catalog prices", positive())
           ->capture_default_str();
-      app.add_option("--hardware-cost", in.hardware_cost, "whole machine price (default: catalog)");
-      app.add_option("--platform-cost", in.platform_cost,
-                     "non-GPU parts per node (default 2000 USD)");
-      app.add_option("--kwh-price", in.kwh_price, "electricity per kWh (default 0.15 USD)");
-      app.add_option("--resale", in.resale_fraction, "fraction of hardware cost recovered")
+      add_number(app, "--hardware-cost", in.hardware_cost, "whole machine price (default: catalog)",
+                 at_least(0));
+      add_number(app, "--platform-cost", in.platform_cost,
+                 "non-GPU parts per node (default 2000 USD)", at_least(0));
+      add_number(app, "--kwh-price", in.kwh_price, "electricity per kWh (default 0.15 USD)",
+                 at_least(0));
+      add_number(app, "--resale", in.resale_fraction, "fraction of hardware cost recovered",
+                 in_range(0, 1))
           ->capture_default_str();
       app.add_option("--cloud-gpu", in.cloud_gpu, "cloud card to compare")->capture_default_str();
-      app.add_option("--cloud-gpus", in.cloud_count, "cloud cards (default: same count)");
-      app.add_option("--cloud-price", in.cloud_price, "cloud price per GPU-hour");
-      app.add_option("--cloud-hours", in.cloud_job_hours, "job duration in the cloud");
+      add_number(app, "--cloud-gpus", in.cloud_count, "cloud cards (default: same count)",
+                 in_range(0, 1 << 20));
+      add_number(app, "--cloud-price", in.cloud_price, "cloud price per GPU-hour", at_least(0));
+      add_number(app, "--cloud-hours", in.cloud_job_hours, "job duration in the cloud",
+                 at_least(0));
       app.add_flag("--json", f->json, "print every number as one JSON object");
       return [f] { return run_plan(*f); };
     });

@@ -1,5 +1,6 @@
 // rig quantize: a bf16/fp32 model folder written once in bitsandbytes' 4-bit (NF4) form.
 #include "command.h"
+#include "flags.h"
 #include "rig/core/allocator.h"
 #include "rig/quant/quantize_model.h"
 
@@ -20,7 +21,6 @@ int run(const Opts& o) {
     rig::bad_input("--blocksize {} must be a power of two from 16", o.blocksize);
   if (o.compute_dtype != "bfloat16" && o.compute_dtype != "float16" && o.compute_dtype != "float32")
     rig::bad_input("--compute-dtype '{}' is not bfloat16, float16 or float32", o.compute_dtype);
-  if (!(o.max_shard_gb > 0)) rig::bad_input("--max-shard-size must be positive");
   qo.config.blocksize = o.blocksize;
   qo.config.double_quant = !o.no_double_quant;
   qo.config.compute_dtype = o.compute_dtype;
@@ -45,13 +45,16 @@ rig::cli::Registrar reg(
       app.add_option("--model", o->model, "Hugging Face model folder (bf16/fp16/fp32)")->required();
       app.add_option("--out", o->out, "output folder")->required();
       app.add_option("--quant-type", o->type, "nf4 or fp4")->capture_default_str();
-      app.add_option("--blocksize", o->blocksize, "weights per absmax block")
+      using namespace rig::cli;
+      add_number(app, "--blocksize", o->blocksize, "weights per absmax block (a power of two)",
+                 in_range(16, 1 << 20))
           ->capture_default_str();
       app.add_flag("--no-double-quant", o->no_double_quant, "keep the block scales in float32");
       app.add_option("--compute-dtype", o->compute_dtype,
                      "bnb_4bit_compute_dtype recorded in config.json")
           ->capture_default_str();
-      app.add_option("--max-shard-size", o->max_shard_gb, "GB per safetensors file")
+      add_number(app, "--max-shard-size", o->max_shard_gb, "GB per safetensors file",
+                 in_range(0, 1e6).open_low())
           ->capture_default_str();
       return [o] { return run(*o); };
     });

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/core/error.h"
 #include "rig/text/tokenizer.h"
 
@@ -76,13 +77,14 @@ int run(const Opts& o) {
 rig::cli::Registrar reg(
     "tokenize", "Tokenize JSONL {\"text\"} from stdin to JSONL {\"ids\"} (or back with --decode)",
     [](CLI::App& app) {
+      using namespace rig::cli;
       auto o = std::make_shared<Opts>();
       app.add_option("--tokenizer", o->tokenizer, "tokenizer.json")->required();
       app.add_flag("--special", o->special, "match special tokens written in the text");
       app.add_flag("--add-special", o->add_special, "apply the post-processor (e.g. prepend BOS)");
       app.add_flag("--decode", o->decode, "read {\"ids\"} and write {\"text\"}");
       app.add_flag("--skip-special", o->skip_special, "with --decode: drop special tokens");
-      app.add_option("--threads", o->threads, "encoding threads (0: all)");
+      add_number(app, "--threads", o->threads, "encoding threads (0: all)", in_range(0, 1024));
       return [=] { return run(*o); };
     });
 

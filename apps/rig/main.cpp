@@ -1,11 +1,14 @@
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
-#include <unistd.h>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <vector>
 
 #include "command.h"
+#include "flags.h"
 #include "rig/core/allocator.h"
 #include "rig/core/error.h"
 
@@ -40,6 +43,15 @@ int main(int argc, char** argv) {
   CLI::App app{"rig: from a box of gaming GPUs to a fine-tuned LLM"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("rig ") + RIG_VERSION);
+  app.failure_message(failure_message);  // one line per error; subcommands inherit it
+  app.add_flag_callback(
+         "--list-numeric-flags",
+         [&app] {
+           list_numeric_flags(app, std::cout);
+           throw CLI::Success();
+         },
+         "every numeric option of every subcommand (for tests)")
+      ->group("");
   std::map<std::string, CLI::App*> groups;
   std::vector<std::pair<CLI::App*, Runner>> runners;
   for (auto& [name, entry] : registry()) {

@@ -5,6 +5,7 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -440,14 +441,21 @@ struct Shared {
 struct Server {
   httplib::Server svr;
   std::thread th;
+  std::atomic<bool> ended{false};
   int port = -1;
   void start(const std::string& host, int want, const char* what) {
     port = want == 0 ? svr.bind_to_any_port(host) : (svr.bind_to_port(host, want) ? want : -1);
     if (port <= 0) fail("{}: cannot listen on {}:{} (port in use?)", what, host, want);
-    th = std::thread([this] { svr.listen_after_bind(); });
+    th = std::thread([this] {
+      svr.listen_after_bind();
+      ended = true;
+    });
   }
   ~Server() {
     if (th.joinable()) {
+      // stop() does nothing before the accept loop runs (`watch -n 1 --http 0` ends that soon),
+      // and the loop would then never end: wait until it runs, or has ended on its own.
+      while (!svr.is_running() && !ended) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       svr.stop();
       th.join();
     }
@@ -511,7 +519,11 @@ std::unique_ptr<Server> serve_dashboard(const std::shared_ptr<Shared>& sh, const
 
 int run_watch(const WatchOptions& opt, std::ostream& out, const std::atomic<bool>* stop,
               WatchReady ready) {
-  if (opt.interval_s <= 0) bad_input("--interval must be positive");
+  // The CLI checks these as it parses; callers of the library get the same answer here.
+  if (!std::isfinite(opt.interval_s) || opt.interval_s <= 0)
+    bad_input("--interval must be a finite number > 0, got {}", opt.interval_s);
+  if (!std::isfinite(opt.duration_s) || opt.duration_s < 0)
+    bad_input("--duration must be a finite number >= 0, got {}", opt.duration_s);
   std::unique_ptr<SampleLog> log;
   if (!opt.log_path.empty()) log = std::make_unique<SampleLog>(opt.log_path);
   Telemetry tel = Telemetry::open(opt.nvml_library);

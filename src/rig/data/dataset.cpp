@@ -8,6 +8,7 @@
 
 #include "rig/core/error.h"
 #include "rig/io/safetensors.h"
+#include "rig/text/chat_template.h"
 
 namespace rig {
 
@@ -52,6 +53,16 @@ json fingerprint_json(const PrepareOptions& opt) {
     if (opt.tokenizer.empty()) bad_input("{}: a tokenizer is needed for the {} format", opt.source, data_format_name(f));
     uint64_t tsize;
     j["tokenizer_xxh3"] = file_xxh3(opt.tokenizer, &tsize);
+    // `auto` renders chat with the model's own template when one sits beside the tokenizer:
+    // editing it must invalidate the cache (the key is absent otherwise, so older caches stay).
+    fs::path dir = fs::path(opt.tokenizer).parent_path();
+    if (f == DataFormat::Chat && opt.render.chat == ChatTemplate::Auto &&
+        HfChatTemplate::find_in(dir.string())) {
+      std::string h;
+      for (const char* name : {"tokenizer_config.json", "chat_template.jinja"})
+        if (fs::exists(dir / name)) h += file_xxh3((dir / name).string(), &tsize);
+      j["chat_template_xxh3"] = h;
+    }
   }
   return j;
 }
@@ -178,6 +189,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   meta["fingerprint"] = fp;
   meta["source"] = fs::absolute(opt.source).string();
   meta["tokenizer"] = opt.tokenizer;
+  if (!r.stats.chat_template.empty()) meta["chat_template"] = r.stats.chat_template;
   meta["stats"] = {{"records", r.stats.records}, {"samples", r.stats.samples}, {"invalid", r.stats.invalid},
                    {"tokens", r.stats.tokens}, {"trained_tokens", r.stats.trained_tokens}};
   fs::create_directories(opt.out_dir);

@@ -6,10 +6,12 @@
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "rig/core/error.h"
 #include "rig/io/safetensors.h"
+#include "rig/text/chat_template.h"
 
 namespace rig {
 
@@ -161,6 +163,90 @@ Parts render_chat(const json& j, ChatTemplate tpl, const Specials& sp, const Tok
   return p;
 }
 
+// The end of the first special token at or after `from` (the one closing an assistant turn).
+size_t first_special_end(const std::string& text, size_t from,
+                         const std::vector<std::string>& specials) {
+  bool first[256] = {};
+  for (const auto& sp : specials) first[uint8_t(sp[0])] = true;
+  for (size_t i = from; i < text.size(); ++i) {
+    if (!first[uint8_t(text[i])]) continue;
+    size_t best = std::string::npos;
+    for (const auto& sp : specials)
+      if (text.compare(i, sp.size(), sp) == 0) best = std::min(best, i + sp.size());
+    if (best != std::string::npos) return best;
+  }
+  return std::string::npos;
+}
+
+// A chat record through the model's own template (see records.h): the rendered text cut into
+// untrained and trained pieces, each tokenized with special tokens matched, as HF tokenizes the
+// whole string.
+Parts render_model_chat(const std::string& line, const HfChatTemplate& tmpl,
+                        const std::vector<std::string>& specials, const std::string& path,
+                        size_t lineno) {
+  using ojson = nlohmann::ordered_json;  // key order reaches the template (tojson, items())
+  ojson j = ojson::parse(line);
+  if (!j.contains("messages")) record_error(path, lineno, "messages", "missing");
+  const ojson& msgs = j["messages"];
+  if (!msgs.is_array())
+    record_error(path, lineno, "messages",
+                 "expected an array, got " + std::string(msgs.type_name()));
+  if (msgs.empty()) record_error(path, lineno, "messages", "empty");
+  std::vector<jinja::Value> all;
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    if (!msgs[i].is_object())
+      record_error(path, lineno, fmt::format("messages[{}]", i),
+                   "expected an object, got " + std::string(msgs[i].type_name()));
+    all.push_back(jinja::Value::from_json(msgs[i]));
+  }
+  HfChatTemplate::Input in;
+  if (j.contains("tools") && !j["tools"].is_null()) {
+    if (!j["tools"].is_array())
+      record_error(path, lineno, "tools", "expected an array of tool schemas");
+    in.tools = jinja::Value::from_json(j["tools"]);
+  }
+  auto render = [&](size_t n, bool gen) {
+    in.messages = jinja::Value::list(std::vector<jinja::Value>(all.begin(), all.begin() + long(n)));
+    in.add_generation_prompt = gen;
+    try {
+      return tmpl.render(in);
+    } catch (const jinja::TemplateError& e) {
+      record_error(path, lineno, "messages",
+                   fmt::format("chat template {}: {}", tmpl.source_name(), e.message()));
+    }
+  };
+  jinja::Rendered full = render(all.size(), false);
+  const std::string& text = full.text;
+  std::vector<std::pair<size_t, size_t>> spans = full.generation;
+  if (spans.empty()) {
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      if (!msgs[i].contains("role") || msgs[i]["role"] != "assistant") continue;
+      std::string before = render(i, true).text;
+      if (text.compare(0, before.size(), before) != 0)
+        record_error(
+            path, lineno, fmt::format("messages[{}]", i),
+            "the chat template does not render the conversation before this message (with "
+            "add_generation_prompt) as a prefix of the whole conversation, so the assistant "
+            "turn cannot be located");
+      size_t start = before.size(), end = first_special_end(text, start, specials);
+      if (end == std::string::npos) end = text.size();
+      if (end > start) spans.emplace_back(start, end);
+    }
+  }
+  if (spans.empty())
+    record_error(path, lineno, "messages", "no assistant turn (nothing to train on)");
+  Parts p;
+  size_t pos = 0;
+  for (auto [b, e] : spans) {
+    if (b < pos) continue;  // overlapping spans: keep the first
+    if (b > pos) p.push_back({text.substr(pos, b - pos), -1, true, false});
+    p.push_back({text.substr(b, e - b), -1, true, true});
+    pos = e;
+  }
+  if (pos < text.size()) p.push_back({text.substr(pos), -1, true, false});
+  return p;
+}
+
 template <typename F>
 void parallel_for(size_t n, int threads, F&& f) {
   int t = threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency()));
@@ -300,7 +386,18 @@ std::vector<Sample> load_samples(const std::string& path, const Tokenizer* tok,
   } else {
     if (!tok) bad_input("{}: a tokenizer is needed for the {} format", path, data_format_name(fmt));
     Specials sp = find_specials(*tok);
-    ChatTemplate tpl = fmt == DataFormat::Chat && opt.chat == ChatTemplate::Auto ? detect_chat_template(*tok) : opt.chat;
+    ChatTemplate tpl = opt.chat;
+    std::optional<HfChatTemplate> model_tpl;
+    std::vector<std::string> specials;  // special added tokens, the ends of assistant turns
+    if (fmt == DataFormat::Chat && opt.chat == ChatTemplate::Auto) {
+      if (fs::is_regular_file(tok->path()))
+        model_tpl = HfChatTemplate::find_in(fs::path(tok->path()).parent_path().string());
+      if (!model_tpl) tpl = detect_chat_template(*tok);
+      for (const auto& t : tok->added_tokens())
+        if (t.special && !t.content.empty()) specials.push_back(t.content);
+    }
+    if (fmt == DataFormat::Chat)
+      st.chat_template = model_tpl ? model_tpl->source_name() : chat_template_name(tpl);
     std::ifstream in(path, std::ios::binary);
     if (!in) bad_input("{}: cannot open", path);
     std::vector<Parts> records;
@@ -329,8 +426,12 @@ std::vector<Sample> load_samples(const std::string& path, const Tokenizer* tok,
           record_error(path, lineno, "", fmt::format("not valid JSON ({})", e.what()));
         }
         if (!j.is_object()) record_error(path, lineno, "", "expected a JSON object, got " + json_type(j));
-        records.push_back(fmt == DataFormat::Alpaca ? render_alpaca(j, sp, *tok, path, lineno)
-                                                    : render_chat(j, tpl, sp, *tok, path, lineno));
+        if (fmt == DataFormat::Alpaca)
+          records.push_back(render_alpaca(j, sp, *tok, path, lineno));
+        else if (model_tpl)
+          records.push_back(render_model_chat(line, *model_tpl, specials, path, lineno));
+        else
+          records.push_back(render_chat(j, tpl, sp, *tok, path, lineno));
       } catch (const RecordError& e) {
         if (!opt.skip_invalid) throw InputError(e.msg);
         ++st.invalid;

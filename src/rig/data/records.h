@@ -19,6 +19,16 @@
 //    Trained: each assistant content and its <|eot_id|>.
 //  * ChatML (Qwen): per message  <|im_start|>{role}\n{content}<|im_end|>\n
 //    Trained: each assistant content and its <|im_end|>.
+//  * The model's own chat template, with `auto` when a tokenizer_config.json holding a
+//    chat_template (or a chat_template.jinja) sits beside tokenizer.json: each record rendered
+//    as transformers' apply_chat_template(messages, tools=record["tools"]) renders it
+//    (rig/text/chat_template.h) and tokenized as HF tokenizes that string (special tokens
+//    matched). Trained: the {% generation %} spans when the template has them (transformers'
+//    return_assistant_tokens_mask); otherwise each assistant turn, from the end of the
+//    conversation before it rendered with add_generation_prompt=True (which must be a prefix of
+//    the whole rendering) to the first special token after it, inclusive (<|im_end|>,
+//    <|eot_id|>, <end_of_turn>, </s>). A record the template refuses (raise_exception) is
+//    invalid, with the template's message. Without such a file `auto` picks a built-in below.
 //  * Raw text: [BOS] line EOS, all trained.  Pre-tokenized rows: all trained.
 // With train_on_all every token is trained.
 #pragma once
@@ -67,6 +77,8 @@ struct RenderStats {
   size_t invalid = 0;   // skipped with skip_invalid
   std::string first_invalid;  // message of the first skipped record
   uint64_t tokens = 0, trained_tokens = 0;
+  // What chat records were rendered with: "llama3", "chatml", or the model's template file.
+  std::string chat_template;
 };
 
 // Reads and tokenizes a whole dataset. Bad records throw InputError "FILE:LINE: field 'F': what"

@@ -1,13 +1,15 @@
 # Generates the Hugging Face reference fixtures in tests/data/hf from transformers + PEFT (float32, CPU).
 # Run where PyTorch, transformers and PEFT are installed (pip install torch transformers peft safetensors),
-# from the repository root: python3 scripts/make_hf_fixtures.py tests/data/hf. Tiny LLaMA-family models,
-# their logits/loss/gradients, LoRA adapters, AdamW trajectories and a loss curve.
+# from the repository root: python3 scripts/make_hf_fixtures.py tests/data/hf [names...]. Tiny LLaMA-family
+# models, their logits/loss/gradients, LoRA adapters, AdamW trajectories and a loss curve; with names, only
+# those models (the others' fixtures stay as they are).
 import os, sys, json, math, torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from peft import LoraConfig, get_peft_model
 torch.use_deterministic_algorithms(True)
 OUT = sys.argv[1]
+ONLY = set(sys.argv[2:])
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 def specs():
@@ -19,6 +21,10 @@ def specs():
       'tiny-qwen2': (Qwen2Config, Qwen2ForCausalLM, dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
           tie_word_embeddings=True, use_sliding_window=False), 12),
+      # head_dim 32 is not hidden/heads (16): the explicit head_dim of Qwen3 is exercised.
+      'tiny-qwen3': (Qwen3Config, Qwen3ForCausalLM, dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+          max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False), 13),
     }
 
 def batch(V, seed, B=2, T=24):
@@ -31,6 +37,7 @@ def grads_of(model, prefix_filter=None):
     return {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters() if p.grad is not None and (prefix_filter is None or prefix_filter(n))}
 
 for name, (C, M, kw, seed) in specs().items():
+    if ONLY and name not in ONLY: continue
     d = os.path.join(OUT, name); os.makedirs(d, exist_ok=True)
     torch.manual_seed(seed)
     cfg = C(**kw); cfg._attn_implementation = "eager"
@@ -95,6 +102,7 @@ for name, (C, M, kw, seed) in specs().items():
 
 # loss curve: tiny-llama3 from its saved init, 300 steps, structured token stream, constant lr 3e-3 after 20 warmup steps
 for name, seed in [('tiny-llama3', 11)]:
+    if ONLY and name not in ONLY: continue
     d = os.path.join(OUT, name)
     C, M, kw, _ = specs()[name]
     cfg = C(**kw); cfg._attn_implementation = "eager"

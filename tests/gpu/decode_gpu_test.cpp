@@ -107,7 +107,7 @@ TEST_P(GpuDecode, LogitsAndGreedyTokensMatchTheCpuModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, GpuDecode,
-                         ::testing::Combine(::testing::Values("tiny-llama3", "tiny-qwen2"),
+                         ::testing::Combine(::testing::Values("tiny-llama3", "tiny-qwen2", "tiny-qwen3"),
                                             ::testing::Values(DType::F32, DType::BF16)),
                          [](const ::testing::TestParamInfo<DecodeParam>& p) {
                            return std::get<0>(p.param).substr(5) + "_" +

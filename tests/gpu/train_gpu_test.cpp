@@ -70,7 +70,8 @@ TEST_P(GpuGolden, ForwardBackwardMatchesTransformers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, GpuGolden, ::testing::Values("tiny-llama3", "tiny-qwen2"));
+INSTANTIATE_TEST_SUITE_P(TinyModels, GpuGolden,
+                         ::testing::Values("tiny-llama3", "tiny-qwen2", "tiny-qwen3"));
 
 // Replays the fixture's 300-step run and returns the worst relative difference from
 // transformers' losses; fails at the first step past `tol`.
@@ -305,7 +306,8 @@ TEST_P(GpuBf16, LongerRunFollowsTheCpu) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, GpuBf16, ::testing::Values("tiny-llama3", "tiny-qwen2"));
+INSTANTIATE_TEST_SUITE_P(TinyModels, GpuBf16,
+                         ::testing::Values("tiny-llama3", "tiny-qwen2", "tiny-qwen3"));
 
 TEST(GpuTraining, DemoLearnsOnTheGpu) {
   REQUIRE_GPU();

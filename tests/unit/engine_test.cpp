@@ -229,7 +229,7 @@ TEST(Engine, GenerateWithCacheMatchesFullForward) {
 // and sum in another order: differences of a few float32 roundings of the logits (|logit| ~ 1),
 // far under 1e-5, while a wrong position, cache row or causal bound moves them by ~1e-1.
 TEST(Engine, PrefillInOneCallMatchesTokenByToken) {
-  for (const char* fixture : {"tiny-llama3", "tiny-qwen2"}) {
+  for (const char* fixture : {"tiny-llama3", "tiny-qwen2", "tiny-qwen3"}) {
     SCOPED_TRACE(fixture);
     auto m = LlamaModel::load(test::data_path(std::string("hf/") + fixture + "/model"));
     TokenBatch b = random_batch(1, 13, m->config().vocab_size, 21);

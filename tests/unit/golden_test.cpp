@@ -185,7 +185,8 @@ TEST_P(Golden, LoraAdamWFiveStepsMatchPeft) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, Golden, ::testing::Values("tiny-llama3", "tiny-qwen2"));
+INSTANTIATE_TEST_SUITE_P(TinyModels, Golden,
+                         ::testing::Values("tiny-llama3", "tiny-qwen2", "tiny-qwen3"));
 
 TEST(GoldenCli, DebugForwardBackwardWritesHfNames) {
   std::string out = test::temp_dir("dbg") + "/fb.safetensors";

@@ -42,6 +42,17 @@ json qwen2(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t
   return q;
 }
 
+// Qwen3 dense: per-head q/k norms and a head_dim of 128 whatever the width.
+json qwen3(int64_t hidden, int64_t inter, int64_t layers, int64_t heads, bool tie) {
+  json q = llama(151936, hidden, inter, layers, heads, 8, 1000000.0, 40960, tie);
+  q["model_type"] = "qwen3";
+  q["architectures"] = {"Qwen3ForCausalLM"};
+  q["head_dim"] = 128;
+  q["rms_norm_eps"] = 1e-6;
+  q["attention_bias"] = false;
+  return q;
+}
+
 std::vector<CatalogModel> make_catalog() {
   std::vector<CatalogModel> c;
   // A few-hundred-thousand-parameter model: the CPU demo and tests.
@@ -89,6 +100,12 @@ std::vector<CatalogModel> make_catalog() {
                {},
                "Qwen/Qwen2.5-72B",
                qwen2(152064, 8192, 29568, 80, 64, 8, 131072, 1e-5, false)});
+  c.push_back({"qwen3-0.6b", {}, "Qwen/Qwen3-0.6B", qwen3(1024, 3072, 28, 16, true)});
+  c.push_back({"qwen3-1.7b", {}, "Qwen/Qwen3-1.7B", qwen3(2048, 6144, 28, 16, true)});
+  c.push_back({"qwen3-4b", {}, "Qwen/Qwen3-4B", qwen3(2560, 9728, 36, 32, true)});
+  c.push_back({"qwen3-8b", {}, "Qwen/Qwen3-8B", qwen3(4096, 12288, 36, 32, false)});
+  c.push_back({"qwen3-14b", {}, "Qwen/Qwen3-14B", qwen3(5120, 17408, 40, 40, false)});
+  c.push_back({"qwen3-32b", {}, "Qwen/Qwen3-32B", qwen3(5120, 25600, 64, 64, false)});
   json mi = llama(32768, 4096, 14336, 32, 32, 8, 1000000.0, 32768, false);
   mi["model_type"] = "mistral";
   mi["architectures"] = {"MistralForCausalLM"};
@@ -134,6 +151,7 @@ json catalog_bench_config(const std::string& name, const std::string& what) {
        {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "rope_theta"})
     j[k] = m->config.at(k);
+  if (m->config.contains("head_dim")) j["head_dim"] = m->config["head_dim"];
   return j;
 }
 

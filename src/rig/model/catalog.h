@@ -18,7 +18,7 @@ struct CatalogModel {
 };
 
 // In table order: tiny, llama2-7b, llama3-8b, llama3.1-8b, llama3-70b, llama3-1b, llama3-3b,
-// qwen2.5-0.5b/7b/14b/32b/72b, mistral-7b.
+// qwen2.5-0.5b/7b/14b/32b/72b, qwen3-0.6b/1.7b/4b/8b/14b/32b, mistral-7b.
 const std::vector<CatalogModel>& model_catalog();
 
 // Every accepted name, aliases right after their model.

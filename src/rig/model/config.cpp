@@ -41,10 +41,11 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
   ModelConfig c;
   c.raw = j;
   if (!j.contains("model_type") || !j["model_type"].is_string())
-    bad_input("{}: missing 'model_type' (expected llama, qwen2 or mistral)", src);
+    bad_input("{}: missing 'model_type' (expected llama, qwen2, qwen3 or mistral)", src);
   c.model_type = j["model_type"];
-  if (c.model_type != "llama" && c.model_type != "qwen2" && c.model_type != "mistral")
-    bad_input("{}: model_type '{}' is not supported (supported: llama, qwen2, mistral)", src,
+  if (c.model_type != "llama" && c.model_type != "qwen2" && c.model_type != "qwen3" &&
+      c.model_type != "mistral")
+    bad_input("{}: model_type '{}' is not supported (supported: llama, qwen2, qwen3, mistral)", src,
               c.model_type);
   c.vocab_size = get_int(j, "vocab_size", src, true);
   c.hidden_size = get_int(j, "hidden_size", src, true);
@@ -70,6 +71,7 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
     c.qkv_bias = c.o_bias = attn_bias;
   }
   c.mlp_bias = get_bool(j, "mlp_bias", src, false);
+  c.qk_norm = c.model_type == "qwen3";
   if (j.contains("hidden_act") && j["hidden_act"] != "silu")
     bad_input("{}: hidden_act {} is not supported (only silu)", src, j["hidden_act"].dump());
   bool use_sw = c.model_type == "mistral" || get_bool(j, "use_sliding_window", src, false);
@@ -156,6 +158,7 @@ json ModelConfig::to_json() const {
   j["hidden_act"] = "silu";
   if (!j.contains("architectures"))
     j["architectures"] = {model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                          : model_type == "qwen3"   ? "Qwen3ForCausalLM"
                           : model_type == "mistral" ? "MistralForCausalLM"
                                                     : "LlamaForCausalLM"};
   json rp = {{"rope_theta", rope.theta}, {"rope_type", rope.type}};
@@ -184,7 +187,7 @@ int64_t ModelConfig::num_parameters() const {
   if (qkv_bias) attn += q_dim() + 2 * kv_dim();
   if (o_bias) attn += h;
   int64_t mlp = 3 * h * f + (mlp_bias ? 2 * f + h : 0);
-  int64_t layer = attn + mlp + 2 * h;
+  int64_t layer = attn + mlp + 2 * h + (qk_norm ? 2 * head_dim : 0);
   int64_t emb = vocab_size * h * (tie_word_embeddings ? 1 : 2);
   return num_layers * layer + emb + h;
 }

@@ -16,7 +16,7 @@ struct RopeConfig {
 };
 
 struct ModelConfig {
-  std::string model_type = "llama";  // llama, qwen2, mistral
+  std::string model_type = "llama";  // llama, qwen2, qwen3, mistral
   int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_layers = 0;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t max_position_embeddings = 2048;
@@ -25,6 +25,7 @@ struct ModelConfig {
   bool qkv_bias = false;  // llama: attention_bias; qwen2: always
   bool o_bias = false;    // llama: attention_bias; qwen2: never
   bool mlp_bias = false;
+  bool qk_norm = false;   // qwen3: RMSNorm over each head of q and k before RoPE
   std::optional<int64_t> sliding_window;  // mistral; attention beyond it is not supported
   std::optional<int64_t> bos_token_id, eos_token_id;
   RopeConfig rope;

@@ -130,6 +130,12 @@ void LlamaModel::build(const ModelConfig& cfg,
         register_param(lin.module + ".bias", fresh({out[p]}, names[p]), true, true);
       }
     }
+    if (cfg.qk_norm) {
+      L->q_norm = int(params_.size());
+      register_param(pre + "self_attn.q_norm.weight", fresh({cfg.head_dim}, "norm"), true, false);
+      L->k_norm = int(params_.size());
+      register_param(pre + "self_attn.k_norm.weight", fresh({cfg.head_dim}, "norm"), true, false);
+    }
     L->in_norm = int(params_.size());
     register_param(pre + "input_layernorm.weight", fresh({h}, "norm"), true, false);
     L->post_norm = int(params_.size());
@@ -537,7 +543,8 @@ std::vector<int> LlamaModel::param_groups() const {
   std::vector<int> g(params_.size(), -1);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = *layers_[l];
-    for (int i : {L.in_norm, L.post_norm}) g[size_t(i)] = int(l);
+    for (int i : {L.in_norm, L.post_norm, L.q_norm, L.k_norm})
+      if (i >= 0) g[size_t(i)] = int(l);
     for (const Linear& lin : L.proj)
       for (int i : {lin.w, lin.b, lin.lora_a, lin.lora_b})
         if (i >= 0) g[size_t(i)] = int(l);

@@ -67,8 +67,22 @@ std::vector<float> LlamaModel::decode(KVCache& cache, const std::vector<int64_t>
     // k and v are written straight into their cache rows (contiguous views), rope'd in place.
     Tensor q = act({n, cfg_.q_dim()}, "q"), kc = cache.k[l].slice_rows(past, past + n),
            vc = cache.v[l].slice_rows(past, past + n);
-    lin(Q, xn, q);
-    lin(K, xn, kc);
+    if (L.q_norm >= 0) {
+      // qwen3: the projections go through their head norms on the way to q and the cache.
+      Tensor qr = act({n, cfg_.q_dim()}, "q"), kr = act({n, cfg_.kv_dim()}, "k");
+      lin(Q, xn, qr);
+      lin(K, xn, kr);
+      auto head_norm = [&](const Tensor& raw, Tensor& out, int norm) {
+        const int64_t rows = raw.numel() / D;
+        Tensor y = out.reshape({rows, D}), r = fresh_on(dev_, {rows}, "rstd");
+        ops::rmsnorm_forward(raw.reshape({rows, D}), params_[size_t(norm)].value, eps, y, r);
+      };
+      head_norm(qr, q, L.q_norm);
+      head_norm(kr, kc, L.k_norm);
+    } else {
+      lin(Q, xn, q);
+      lin(K, xn, kc);
+    }
     lin(V, xn, vc);
     ops::rope_forward(q, pos, rope_cos_, rope_sin_, int(Hq));
     ops::rope_forward(kc, pos, rope_cos_, rope_sin_, int(Hk));

@@ -19,12 +19,14 @@ struct LlamaModel::Linear {
 
 struct LlamaModel::Layer {
   int in_norm = -1, post_norm = -1;
+  int q_norm = -1, k_norm = -1;  // qwen3's per-head norms of q and k (-1: none)
   Linear proj[7];  // q k v o gate up down
 };
 
 // What one layer's backward needs from its forward.
 struct LlamaModel::Acts {
   Tensor h_in, xn1, rstd1, q, k, v, attn, lse, h_mid, xn2, rstd2, g, u, act, h_out;
+  Tensor q_raw, k_raw, rstd_q, rstd_k;  // qk_norm: the projections before their norms
   Tensor xa[7];  // LoRA: dropout(x) @ A^T per projection
   void drop_all_but_input() {
     Tensor keep = h_in;

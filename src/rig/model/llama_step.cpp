@@ -85,6 +85,19 @@ void LlamaModel::layer_forward(int li, const Tensor& h_in, Acts& a, const TokenB
   lin(Q, a.xn1, a.q);
   lin(K, a.xn1, a.k);
   lin(V, a.xn1, a.v);
+  if (L.q_norm >= 0) {
+    // qwen3: each head of q and k normalised (rows of head_dim) before RoPE.
+    auto head_norm = [&](Tensor& x, Tensor& raw, Tensor& rstd, int norm) {
+      raw = x;
+      x = act(raw.shape(), "head norm");
+      const int64_t rows = raw.numel() / D;
+      rstd = fresh_on(dev_, {rows}, "rstd");
+      Tensor y = x.reshape({rows, D});
+      ops::rmsnorm_forward(raw.reshape({rows, D}), params_[size_t(norm)].value, eps, y, rstd);
+    };
+    head_norm(a.q, a.q_raw, a.rstd_q, L.q_norm);
+    head_norm(a.k, a.k_raw, a.rstd_k, L.k_norm);
+  }
   ops::rope_forward(a.q, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_heads));
   ops::rope_forward(a.k, cur_pos_, rope_cos_, rope_sin_, int(cfg_.num_kv_heads));
   a.attn = act({N, cfg_.q_dim()}, "attention out");
@@ -188,6 +201,21 @@ void LlamaModel::layer_backward(int li, Acts& a, Tensor& dh, Tensor& dh_act, con
   dattn = Tensor();
   ops::rope_backward(dq, cur_pos_, rope_cos_, rope_sin_, int(Hq));
   ops::rope_backward(dk, cur_pos_, rope_cos_, rope_sin_, int(Hk));
+  if (L.q_norm >= 0) {
+    // Through qwen3's head norms: the input gradient lands in a zeroed float32 buffer, copied
+    // to the products' dtype where that differs.
+    auto head_norm_bwd = [&](Tensor& d, const Tensor& raw, const Tensor& rstd, int norm) {
+      const int64_t rows = raw.numel() / D;
+      Tensor d32 = Tensor::zeros({rows, D}, DType::F32, dev_, "d head norm");
+      Tensor dx = raw.dtype() == DType::F32 ? d32 : fresh_like(raw, {rows, D}, "d head norm");
+      ops::rmsnorm_backward_add(d.reshape({rows, D}), raw.reshape({rows, D}),
+                                params_[size_t(norm)].value, rstd, d32,
+                                dx.raw() == d32.raw() ? nullptr : &dx, grad_of(norm));
+      d = dx.reshape(raw.shape());
+    };
+    head_norm_bwd(dq, a.q_raw, a.rstd_q, L.q_norm);
+    head_norm_bwd(dk, a.k_raw, a.rstd_k, L.k_norm);
+  }
   lin_bwd(Q, a.xn1, dq, dxn, false);
   lin_bwd(K, a.xn1, dk, dxn, true);
   lin_bwd(V, a.xn1, dv, dxn, true);

@@ -83,8 +83,8 @@ ParamCounts count_params(const ModelConfig& m, const TrainSetup& s) {
   const int64_t h = m.hidden_size, f = m.intermediate_size, q = m.q_dim(), kv = m.kv_dim();
   c.layers = m.num_layers;
   c.linear_per_layer = h * q + 2 * h * kv + q * h + 3 * h * f;
-  c.other_per_layer =
-      2 * h + (m.qkv_bias ? q + 2 * kv : 0) + (m.o_bias ? h : 0) + (m.mlp_bias ? 2 * f + h : 0);
+  c.other_per_layer = 2 * h + (m.qkv_bias ? q + 2 * kv : 0) + (m.o_bias ? h : 0) +
+                      (m.mlp_bias ? 2 * f + h : 0) + (m.qk_norm ? 2 * m.head_dim : 0);
   c.embedding = m.vocab_size * h;
   c.lm_head = m.tie_word_embeddings ? 0 : m.vocab_size * h;
   c.final_norm = h;
@@ -113,8 +113,9 @@ LayerActivations layer_activations(const ModelConfig& m, const TrainSetup& s) {
 
   // q, k, v, attention output, g, u (always) in the activation dtype; the residual stream x and
   // h1 in float32 (the engine keeps the residual in float32 under bf16 too); fp32 rstd of both
-  // norms; LoRA x·A.
+  // norms; LoRA x·A; with qwen3's head norms, q and k before them and their rstd.
   double always = BT * (a * (2 * q + 2 * kv + 2 * f + n_t * r) + 4 * 2 * h + 2 * 4);
+  if (m.qk_norm) always += BT * (a * (q + kv) + 4 * (heads + double(m.num_kv_heads)));
   double attn = s.flash_attention ? B * heads * T * 4 : B * heads * T * T * a;
   double recomputable = a * BT * ((keep_xn1 ? h : 0) + (keep_xn2 ? h : 0) + (keep_s ? f : 0));
   LayerActivations la;

@@ -37,7 +37,8 @@ std::vector<ConfigSection> make_sections() {
                     "With `init: random`: a built-in shape of the model catalogue "
                     "(`src/rig/model/catalog.cpp`: `tiny`, `llama2-7b`, `llama3-8b`, "
                     "`llama3.1-8b`, `llama3-70b`, `llama3-1b` (also `llama3.2-1b`), `llama3-3b` "
-                    "(`llama3.2-3b`), `qwen2.5-0.5b`/`7b`/`14b`/`32b`/`72b`, `mistral-7b`) or an "
+                    "(`llama3.2-3b`), `qwen2.5-0.5b`/`7b`/`14b`/`32b`/`72b`, "
+                    "`qwen3-0.6b`/`1.7b`/`4b`/`8b`/`14b`/`32b`, `mistral-7b`) or an "
                     "inline `config.json` mapping (`{model_type: llama, hidden_size: 256, ...}`), "
                     "checked like a config.json. Without it, `init: random` takes the shape from "
                     "`model`'s config.json. Not allowed with `init: pretrained`."},

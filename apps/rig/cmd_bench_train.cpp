@@ -20,6 +20,10 @@
 #include "rig/train/train_step.h"
 #include "rig/train/trainer.h"
 
+#ifdef RIG_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace {
 
 struct Opts {
@@ -125,6 +129,19 @@ rig::TokenBatch random_batch(int64_t batch, int64_t seq, int64_t vocab, int64_t 
   return b;
 }
 
+// The card's name as the driver gives it ("NVIDIA H200"): `rig plan --calibrate` looks it up in
+// its catalog. Empty on the CPU.
+std::string gpu_name(rig::Device dev) {
+#ifdef RIG_WITH_CUDA
+  if (dev.is_cuda()) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, dev.index) == cudaSuccess) return prop.name;
+    cudaGetLastError();
+  }
+#endif
+  return "";
+}
+
 // One step with every op's span recorded: where the step's time goes, per category and per op.
 nlohmann::json profile_step(rig::Device dev, const std::function<void()>& step,
                             const std::string& trace) {
@@ -223,9 +240,15 @@ int run(const Opts& o) {
   const double n_mat = mc.tie_word_embeddings ? n : n - double(mc.vocab_size * mc.hidden_size);
   const double flops_per_token = (o.method == "full" ? 6.0 : 4.0) * n_mat +
                                  12.0 * double(mc.num_layers * mc.hidden_size) * attention_len;
+  // "gpu", "config", "lora_r" and "lora_targets" let `rig plan --calibrate` rebuild the run's
+  // FLOPs per token and the card's peak from this line alone.
   nlohmann::json r = {{"device", dev.str()},
+                      {"gpu", gpu_name(dev)},
+                      {"config", mc.to_json()},
                       {"precision", precision},
                       {"method", o.method},
+                      {"lora_r", o.method == "full" ? 0 : o.lora_r},
+                      {"lora_targets", o.method == "full" ? "" : o.lora_targets},
                       {"parameters", int64_t(n)},
                       {"trainable_parameters", m->num_parameters(true)},
                       {"batch", o.batch},

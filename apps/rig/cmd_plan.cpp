@@ -16,6 +16,7 @@ struct Flags {
   std::string model = "llama3-8b", method = "qlora", targets = "q,k,v,o", ckpt = "full";
   std::string optimizer = "adamw", strategy = "data-parallel", precision = "bf16";
   std::vector<std::string> catalogs;
+  std::string calibrate;  // a file of `rig bench train --json` lines
   bool json = false, eager = false;
   PlanInput in;
 };
@@ -35,6 +36,11 @@ int run_plan(Flags f) {
   s.precision = parse_precision(f.precision);
   s.flash_attention = !f.eager;
   if (s.precision == Precision::fp32) s.context_bytes = s.gemm_workspace_bytes = 0;
+  if (!f.calibrate.empty()) {
+    // A record that names no GPU is taken as the first card of --gpus.
+    const std::string first = catalog.find(parse_gpus(in.gpus).front().gpu).key;
+    in.calibration = read_calibration(f.calibrate, s.method, first, catalog);
+  }
   Plan p = make_plan(in, catalog);
   if (f.json)
     std::cout << p.to_json().dump(1) << "\n";
@@ -96,9 +102,14 @@ rig::cli::Registrar reg(
       add_size(app, "--max-memory", in.max_memory,
                "usable memory per card, e.g. 22GiB (default: the card's)",
                SizeRule{.min = 1, .max = 0x1p50, .binary = false});
-      add_number(app, "--efficiency", in.efficiency, "achieved fraction of dense bf16 TFLOPS",
-                 in_range(0, 1).open_low())
-          ->capture_default_str();
+      auto* eff = add_number(app, "--efficiency", in.efficiency,
+                             "achieved fraction of dense bf16 TFLOPS on every card (default: rig's "
+                             "measured efficiency for the card and method, docs/plan.md)",
+                             in_range(0, 1).open_low());
+      app.add_option("--calibrate", f->calibrate,
+                     "FILE of `rig bench train --json` lines measured on your card: their "
+                     "efficiency replaces the built-in table's for --method")
+          ->excludes(eff);
       add_number(app, "--overlap", in.overlap, "fraction of communication hidden by compute",
                  in_range(0, 1))
           ->capture_default_str();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "rig/core/error.h"
@@ -192,8 +193,23 @@ TEST(PlanScenario, Llama8BQloraOnOne4090) {
   EXPECT_TRUE(p.fits);
   EXPECT_GE(p.max_micro_batch, 2);  // with checkpointing, 2 is far from the limit
   EXPECT_EQ(p.comm_s, 0);
-  // tokens/s = 165.2e12 · 0.35 / FLOPs per token.
-  EXPECT_NEAR(p.tokens_per_s, 165.2e12 * 0.35 / p.flops.per_token(), 1e-6);
+  // tokens/s = 165.2e12 · efficiency / FLOPs per token; the 4090 was not measured: its QLoRA
+  // efficiency is the H200's carried over by peak and bandwidth, and the plan says so.
+  const auto& ql = builtin_efficiencies()[2];
+  ASSERT_EQ(ql.method, Method::qlora);
+  const double e = ql.efficiency /
+                   ((1 - ql.memory_share) + ql.memory_share * (165.2 / 989.4) * (4800.0 / 1008.0));
+  EXPECT_NEAR(p.groups[0].efficiency, e, 1e-12);
+  EXPECT_TRUE(p.groups[0].efficiency_estimate);
+  EXPECT_NEAR(p.tokens_per_s, 165.2e12 * e / p.flops.per_token(), 1e-6);
+  bool warned = false;
+  for (const auto& w : p.warnings) warned |= w.rfind("speed on rtx4090 is an estimate", 0) == 0;
+  EXPECT_TRUE(warned);
+  // --efficiency replaces it on every card.
+  in.efficiency = 0.35;
+  EXPECT_NEAR(make_plan(in, Catalog::builtin()).tokens_per_s, 165.2e12 * 0.35 / p.flops.per_token(),
+              1e-6);
+  in.efficiency = 0;
   // Without checkpointing it still fits at 2 × 2048? The memory model's answer must agree with
   // the sum of its terms against 24564 MiB.
   in.setup.checkpointing = Checkpointing::none;
@@ -297,7 +313,9 @@ TEST(PlanPower, TheDocuments1600WattSupply) {
   auto q = make_plan(in, Catalog::builtin());
   EXPECT_DOUBLE_EQ(q.power_saving_w, 200);
   EXPECT_DOUBLE_EQ(q.sustained_w, 4 * 400 + 300);
-  EXPECT_NEAR(q.groups[0].tflops, 165.2 * 0.35 * std::pow(400.0 / 450, 0.2), 1e-9);
+  EXPECT_NEAR(q.groups[0].tflops, 165.2 * q.groups[0].efficiency * std::pow(400.0 / 450, 0.2),
+              1e-9);
+  EXPECT_NEAR(q.groups[0].tflops / p.groups[0].tflops, std::pow(400.0 / 450, 0.2), 1e-12);
 }
 
 TEST(PlanReliability, FitArithmeticAndYoungDaly) {
@@ -394,9 +412,14 @@ TEST(PlanCli, JsonAndErrors) {
   for (const char* k : {"weights", "lora", "gradients", "master", "optimizer", "activations",
                         "logits", "comm_buffers", "workspace"})
     EXPECT_TRUE(j["memory"]["per_gpu_bytes"].contains(k)) << k;
-  // The 3090 (71 TFLOPS) sets the pace of the mixed set.
+  // The 3090 (71 TFLOPS) sets the pace of the mixed set, at its own (estimated) efficiency.
+  EXPECT_EQ(j["gpus"][1]["gpu"], "rtx3090");
+  const double e3090 = j["gpus"][1]["efficiency"].get<double>();
+  EXPECT_GT(e3090, 0.3);
+  EXPECT_LT(e3090, 1);
+  EXPECT_EQ(j["speed"]["efficiency"], e3090);
   EXPECT_NEAR(j["speed"]["step_compute_s"].get<double>(),
-              2048 / (71e12 * 0.35 / j["speed"]["flops_per_token"]["total"].get<double>()), 1e-9);
+              2048 / (71e12 * e3090 / j["speed"]["flops_per_token"]["total"].get<double>()), 1e-9);
   auto bad = rig::test::run_rig("plan --gpus 4xvoodoo5");
   EXPECT_EQ(bad.code, 1);
   EXPECT_NE(bad.out.find("rig: GPU 'voodoo5' is not in the catalog"), std::string::npos) << bad.out;
@@ -405,4 +428,294 @@ TEST(PlanCli, JsonAndErrors) {
       "--rank 64 --targets all --optimizer adamw8bit --psu 1600");
   EXPECT_EQ(txt.code, 0);
   EXPECT_NE(txt.out.find("PSU 1600 W cannot carry full load 2100 W"), std::string::npos) << txt.out;
+}
+
+// ---- Speed from measured efficiency, and --calibrate -----------------------------------------
+
+namespace {
+
+// A `rig bench train --json` line as today's rig writes it for llama3-8b LoRA r16 q,k,v,o at
+// 4096 × 2 with full checkpointing on 10 layers (numbers invented, fields as cmd_bench_train.cpp).
+nlohmann::json bench_line(double tokens_per_s, const std::string& gpu = "NVIDIA H200") {
+  auto m = builtin_model("llama3-8b");
+  TrainSetup s;
+  s.method = Method::lora;
+  const auto c = count_params(m, s);
+  nlohmann::json j = {{"device", "cuda:0"},
+                      {"gpu", gpu},
+                      {"config", m.to_json()},
+                      {"precision", "bf16"},
+                      {"method", "lora"},
+                      {"lora_r", 16},
+                      {"lora_targets", "q_proj,k_proj,v_proj,o_proj"},
+                      {"parameters", c.total() + c.lora_total()},
+                      {"trainable_parameters", c.lora_total()},
+                      {"batch", 2},
+                      {"seq", 4096},
+                      {"packed", 0},
+                      {"attention_len", 4096.0},
+                      {"checkpointing", "full"},
+                      {"recompute_layers", 10},
+                      {"optimizer", "adamw"},
+                      {"tokens_per_s", tokens_per_s},
+                      {"step_ms", 8192e3 / tokens_per_s}};
+  if (gpu.empty()) j.erase("gpu");
+  return j;
+}
+
+std::string write_lines(const std::string& name, const std::vector<std::string>& lines) {
+  const std::string path = rig::test::temp_dir("plan_calibrate") + "/" + name;
+  std::string text;
+  for (const auto& l : lines) text += l + "\n";
+  rig::write_file_atomic(path, text);
+  return path;
+}
+
+PlanInput row0_on(const std::string& gpus) {
+  PlanInput in;
+  in.model = builtin_model("llama3-8b");
+  in.model_name = "llama3-8b";
+  in.setup.method = Method::lora;
+  in.setup.seq_len = 4096;
+  in.setup.micro_batch = 2;
+  in.setup.checkpointing = Checkpointing::full;
+  in.setup.recompute_layers = 10;
+  in.gpus = gpus;
+  return in;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const rig::InputError& e) {
+    return e.what();
+  }
+  return "(no InputError)";
+}
+
+}  // namespace
+
+TEST(PlanCalibrate, GoodLineGivesTokensTimesFlopsOverPeak) {
+  const auto c = Catalog::builtin();
+  const std::string path = write_lines("good.jsonl", {bench_line(12000).dump()});
+  auto m = read_calibration(path, Method::lora, "rtx4090", c);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].gpu, "h200");  // the record's card, not the default
+  // FLOPs per token of the run by hand (plan_test's FlopsPerTokenByHand terms): 4N + 6·lora +
+  // attention + 10/32 of (2·N_layers + 2·lora + attention forward).
+  const double n_layers = 32.0 * (4096.0 * 4096 * 2 + 2 * 4096.0 * 1024 + 3 * 4096.0 * 14336);
+  const double N = n_layers + 128256.0 * 4096;
+  const double lora = 32.0 * 16 * (2 * 8192 + 2 * 5120);
+  const double attn = 12.0 * 32 * 4096 * 4096;
+  const double fpt = 4 * N + 6 * lora + attn + 10.0 / 32 * (2 * n_layers + 2 * lora + attn / 3);
+  EXPECT_NEAR(m[0].efficiency, 12000 * fpt / 989.4e12, 1e-12);
+  EXPECT_NE(m[0].source.find(path + ":1"), std::string::npos) << m[0].source;
+  // No breakdown in the line: the memory share is the built-in table's for LoRA.
+  EXPECT_EQ(m[0].memory_share, builtin_efficiencies()[0].memory_share);
+  // A line without "gpu" is taken as the default card (and says so).
+  auto d = read_calibration(write_lines("nogpu.jsonl", {bench_line(3000, "").dump()}), Method::lora,
+                            "rtx4090", c);
+  EXPECT_EQ(d[0].gpu, "rtx4090");
+  EXPECT_NEAR(d[0].efficiency, 3000 * fpt / 165.2e12, 1e-12);
+  EXPECT_NE(d[0].source.find("names no GPU"), std::string::npos) << d[0].source;
+  // Driver names find their catalog card.
+  for (auto [name, key] :
+       {std::pair{"NVIDIA H100 80GB HBM3", "h100"}, std::pair{"NVIDIA GeForce RTX 4090", "rtx4090"},
+        std::pair{"NVIDIA GeForce RTX 3090", "rtx3090"},
+        std::pair{"NVIDIA A100-SXM4-40GB", "a100-40gb"},
+        std::pair{"NVIDIA A100 80GB PCIe", "a100-80gb"}, std::pair{"NVIDIA RTX A6000", "a6000"},
+        std::pair{"NVIDIA L40S", "l40s"}}) {
+    auto r = read_calibration(write_lines("name.jsonl", {bench_line(500, name).dump()}),
+                              Method::lora, "h200", c);
+    EXPECT_EQ(r[0].gpu, key) << name;
+  }
+  // The old records (no config, no gpu, checkpointing as a boolean) read through the parameter
+  // count; several lines are several measurements.
+  auto old = bench_line(10000, "");
+  old.erase("config");
+  old.erase("recompute_layers");
+  old["checkpointing"] = true;
+  auto two = read_calibration(write_lines("two.jsonl", {old.dump(), "", bench_line(9000).dump()}),
+                              Method::lora, "h200", c);
+  ASSERT_EQ(two.size(), 2u);
+  const double fpt_all = 4 * N + 6 * lora + attn + 2 * n_layers + 2 * lora + attn / 3;
+  EXPECT_NEAR(two[0].efficiency, 10000 * fpt_all / 989.4e12, 1e-12);
+  EXPECT_NE(two[1].source.find(":3 "), std::string::npos) << two[1].source;
+}
+
+TEST(PlanCalibrate, BadInputNamesFileAndLine) {
+  const auto c = Catalog::builtin();
+  auto read = [&](const std::string& path, Method m = Method::lora) {
+    return error_of([&] { read_calibration(path, m, "h200", c); });
+  };
+  const std::string good = bench_line(12000).dump();
+  // Missing file.
+  EXPECT_EQ(read("/nonexistent/bench.jsonl"),
+            "calibration file /nonexistent/bench.jsonl: no such file");
+  // Malformed JSON on line 3 (line 2 blank).
+  std::string p = write_lines("malformed.jsonl", {good, "", "{\"tokens_per_s\": 1,"});
+  EXPECT_EQ(read(p).rfind(p + ":3: not a JSON line: parse error", 0), 0u) << read(p);
+  // Not a bench train record: transformers' line of bench/rig_vs_hf.sh.
+  p = write_lines("hf.jsonl", {R"({"row": 0, "side": "hf", "preset": "llama3-8b", "mode": "lora",)"
+                               R"( "seq": 4096, "bs": 2, "tokens_per_s": 9314})"});
+  EXPECT_EQ(read(p).rfind(p + ":1: not a `rig bench train --json` record (no 'method')", 0), 0u)
+      << read(p);
+  p = write_lines("array.jsonl", {"[1, 2]"});
+  EXPECT_EQ(read(p), p + ":1: expected a JSON object, got array");
+  // A record of another method.
+  p = write_lines("method.jsonl", {good});
+  EXPECT_EQ(read(p, Method::full).rfind(p + ":1: a lora record; this plan is for --method full", 0),
+            0u)
+      << read(p, Method::full);
+  // A CPU record, a failed run, a card the catalog does not know, a number that is not one.
+  auto cpu = bench_line(100);
+  cpu["device"] = "cpu";
+  p = write_lines("cpu.jsonl", {good, cpu.dump()});
+  EXPECT_EQ(read(p).rfind(p + ":2: measured on the CPU", 0), 0u) << read(p);
+  auto failed = bench_line(12000);
+  failed["rc"] = 1;
+  EXPECT_EQ(read(write_lines("rc.jsonl", {failed.dump()})).find("the run failed (rc 1)") !=
+                std::string::npos,
+            true);
+  p = write_lines("b200.jsonl", {bench_line(12000, "NVIDIA B200").dump()});
+  EXPECT_EQ(read(p).rfind(p + ":1: GPU 'NVIDIA B200' is not in the catalog", 0), 0u) << read(p);
+  auto text = bench_line(12000);
+  text["tokens_per_s"] = "fast";
+  p = write_lines("text.jsonl", {text.dump()});
+  EXPECT_EQ(read(p), p + ":1: 'tokens_per_s' is \"fast\", expected a number");
+  // Faster than the card's peak: the record is from another card.
+  p = write_lines("fast.jsonl", {bench_line(90000, "NVIDIA GeForce RTX 4090").dump()});
+  EXPECT_NE(read(p).find("% of rtx4090's dense bf16 peak"), std::string::npos) << read(p);
+  // An empty file.
+  p = write_lines("empty.jsonl", {"", " "});
+  EXPECT_EQ(read(p), "calibration file " + p + ": no records (it is empty)");
+}
+
+TEST(PlanSpeed, TokensPerSecondIsLinearInTheCalibratedEfficiency) {
+  const auto c = Catalog::builtin();
+  PlanInput in = row0_on("1xh200");
+  in.calibration = read_calibration(write_lines("one.jsonl", {bench_line(5000).dump()}),
+                                    Method::lora, "h200", c);
+  const Plan p1 = make_plan(in, c);
+  // Closed form: one card, no communication: tokens/s = peak × efficiency / FLOPs per token,
+  // and the measured run had this plan's configuration, so the plan gives back its tokens/s.
+  EXPECT_NEAR(p1.tokens_per_s, 989.4e12 * in.calibration[0].efficiency / p1.flops.per_token(),
+              1e-6);
+  EXPECT_NEAR(p1.tokens_per_s, 5000, 1e-6);
+  EXPECT_NE(p1.groups[0].efficiency_source.find("calibrated"), std::string::npos);
+  // Twice the measured tokens/s: twice the efficiency, twice the plan's tokens/s.
+  in.calibration = read_calibration(write_lines("two.jsonl", {bench_line(10000).dump()}),
+                                    Method::lora, "h200", c);
+  EXPECT_NEAR(make_plan(in, c).tokens_per_s / p1.tokens_per_s, 2, 1e-12);
+  // Two lines on the card: their mean.
+  in.calibration = read_calibration(
+      write_lines("mean.jsonl", {bench_line(5000).dump(), bench_line(10000).dump()}), Method::lora,
+      "h200", c);
+  EXPECT_NEAR(make_plan(in, c).tokens_per_s, 7500, 1e-6);
+  // Another configuration on the same card keeps the efficiency, not the tokens/s.
+  in.setup.checkpointing = Checkpointing::none;
+  const Plan p3 = make_plan(in, c);
+  EXPECT_NEAR(p3.tokens_per_s * p3.flops.per_token() / (7500 * p1.flops.per_token()), 1, 1e-12);
+  // A calibration on the H200 carries to a 4090 as the built-in table's does (an estimate).
+  in.setup.checkpointing = Checkpointing::full;
+  in.gpus = "1x4090";
+  const Plan p4 = make_plan(in, c);
+  MeasuredEfficiency ref = in.calibration[0];
+  ref.efficiency = (in.calibration[0].efficiency + in.calibration[1].efficiency) / 2;
+  EXPECT_NEAR(p4.groups[0].efficiency, extrapolate_efficiency(ref, c.find("h200"), c.find("4090")),
+              1e-12);
+  EXPECT_TRUE(p4.groups[0].efficiency_estimate);
+  // Without a calibration the built-in table's H200 entry: measured, not an estimate.
+  in.calibration.clear();
+  in.gpus = "1xh200";
+  const Plan p5 = make_plan(in, c);
+  EXPECT_EQ(p5.groups[0].efficiency, builtin_efficiencies()[0].efficiency);
+  EXPECT_FALSE(p5.groups[0].efficiency_estimate);
+  EXPECT_NE(p5.groups[0].efficiency_source.find("measured"), std::string::npos);
+}
+
+TEST(PlanSpeed, ExtrapolationByPeakAndBandwidth) {
+  const auto c = Catalog::builtin();
+  MeasuredEfficiency ref{"h200", Method::lora, 0.5, 0.2, "test"};
+  // e = 0.5 / (0.8 + 0.2 · (165.2/989.4) · (4800/1008))
+  EXPECT_NEAR(extrapolate_efficiency(ref, c.find("h200"), c.find("4090")),
+              0.5 / (0.8 + 0.2 * (165.2 / 989.4) * (4800.0 / 1008)), 1e-15);
+  // The H100: the same peak, less bandwidth: a little less.
+  EXPECT_NEAR(extrapolate_efficiency(ref, c.find("h200"), c.find("h100")),
+              0.5 / (0.8 + 0.2 * 4800.0 / 3350), 1e-15);
+  // Nothing memory-bound: the same fraction of peak everywhere.
+  ref.memory_share = 0;
+  EXPECT_EQ(extrapolate_efficiency(ref, c.find("h200"), c.find("3090")), 0.5);
+}
+
+TEST(PlanInputChecks, NanAndInfAreRefusedNamingTheField) {
+  const auto c = Catalog::builtin();
+  auto err = [&](const std::function<void(PlanInput&)>& set) {
+    PlanInput in = row0_on("1xh200");
+    set(in);
+    return error_of([&] { make_plan(in, c); });
+  };
+  EXPECT_EQ(err([](PlanInput& in) { in.efficiency = NAN; }),
+            "plan input efficiency: nan is not a finite number");
+  EXPECT_EQ(err([](PlanInput& in) { in.overlap = INFINITY; }),
+            "plan input overlap: inf is not a finite number");
+  EXPECT_EQ(err([](PlanInput& in) { in.pcie_efficiency = -INFINITY; }),
+            "plan input pcie_efficiency: -inf is not a finite number");
+  EXPECT_EQ(err([](PlanInput& in) { in.tokens = NAN; }),
+            "plan input tokens: nan is not a finite number");
+  EXPECT_EQ(err([](PlanInput& in) { in.kwh_price = NAN; }),
+            "plan input kwh_price: nan is not a finite number");
+  EXPECT_EQ(err([](PlanInput& in) { in.power_perf_exponent = INFINITY; }),
+            "plan input power_perf_exponent: inf is not a finite number");
+  EXPECT_EQ(err([](PlanInput& in) { in.efficiency = 1.5; }),
+            "plan input efficiency: 1.5 is not in (0, 1] (0: the measured one)");
+  EXPECT_EQ(err([](PlanInput& in) { in.overlap = -0.1; }),
+            "plan input overlap: -0.1 is not in [0, 1]");
+  EXPECT_EQ(err([](PlanInput& in) {
+              in.calibration = {{"h200", Method::lora, NAN, 0.2, "x.jsonl:1"}};
+            }),
+            "plan input calibration efficiency (x.jsonl:1): nan is not in (0, 1]");
+  EXPECT_EQ(err([](PlanInput& in) {
+              in.calibration = {{"h200", Method::lora, 0.5, INFINITY, "x.jsonl:1"}};
+            }),
+            "plan input calibration memory_share (x.jsonl:1): inf is not in [0, 1]");
+  EXPECT_EQ(err([](PlanInput& in) { in.setup.context_bytes = NAN; }),
+            "train setup context_bytes: nan is not a finite number >= 0");
+  EXPECT_EQ(err([](PlanInput& in) {
+              in.network = "roce:nan";
+              in.nodes = 2;
+            }),
+            "--network 'roce:nan': 'nan' is not a finite number");
+  // The catalog's numbers too.
+  Catalog bad = c;
+  EXPECT_EQ(error_of([&] { bad.merge_yaml("gpus:\n  h200:\n    bf16_tflops: .nan\n", "my.yaml"); }),
+            "my.yaml: gpus.h200: field 'bf16_tflops' (line 3): expected a finite number");
+}
+
+TEST(PlanCli, Calibrate) {
+  const std::string good = write_lines("cli-good.jsonl", {bench_line(5000).dump()});
+  auto r = rig::test::run_rig(
+      "plan --model llama3-8b --method lora --seq 4096 -b 2 "
+      "--recompute-layers 10 --gpus h200 --json --calibrate " +
+      good);
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_NEAR(j["speed"]["tokens_per_s"].get<double>(), 5000, 1e-6);
+  EXPECT_NE(j["speed"]["efficiency_source"].get<std::string>().find("calibrated: " + good + ":1"),
+            std::string::npos);
+  auto missing = rig::test::run_rig("plan --method lora --calibrate /nonexistent/b.jsonl");
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_EQ(missing.out, "rig: calibration file /nonexistent/b.jsonl: no such file\n");
+  auto other = rig::test::run_rig("plan --method full --calibrate " + good);
+  EXPECT_EQ(other.code, 1);
+  EXPECT_EQ(
+      other.out.rfind("rig: " + good + ":1: a lora record; this plan is for --method full", 0), 0u)
+      << other.out;
+  auto both = rig::test::run_rig("plan --method lora --efficiency 0.3 --calibrate " + good);
+  EXPECT_NE(both.code, 0);
+  EXPECT_NE(both.out.find("excludes"), std::string::npos) << both.out;
+  // The text names where the efficiency came from.
+  auto txt = rig::test::run_rig("plan --model llama3-8b --gpus 1x4090");
+  EXPECT_EQ(txt.code, 0);
+  EXPECT_NE(txt.out.find("estimate: rtx4090 not measured"), std::string::npos) << txt.out;
 }

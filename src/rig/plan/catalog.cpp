@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "rig/core/error.h"
 #include "rig/io/atomic_file.h"
@@ -34,6 +35,10 @@ void get(const YAML::Node& n, const char* field, T& out, const std::string& wher
               : std::is_arithmetic_v<T> ? "number"
                                         : "string");
   }
+  if constexpr (std::is_floating_point_v<T>)
+    if (!std::isfinite(out))
+      bad_input("{}: field '{}' (line {}): expected a finite number", where, field,
+                n[field].Mark().line + 1);
 }
 
 const std::vector<std::string> kFields = {

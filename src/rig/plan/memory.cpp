@@ -1,6 +1,7 @@
 #include "rig/plan/memory.h"
 
 #include <bit>
+#include <cmath>
 #include <sstream>
 
 #include "rig/core/error.h"
@@ -132,6 +133,12 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   RIG_CHECK(s.world_size >= 1, "world size {}", s.world_size);
   if (s.micro_batch < 1 || s.seq_len < 1) bad_input("micro-batch and sequence length must be >= 1");
   if (s.method != Method::full && s.lora_rank < 1) bad_input("LoRA rank must be >= 1");
+  for (const auto& [name, v] :
+       {std::pair{"bucket_bytes", s.bucket_bytes}, std::pair{"nccl_bytes", s.nccl_bytes},
+        std::pair{"context_bytes", s.context_bytes},
+        std::pair{"gemm_workspace_bytes", s.gemm_workspace_bytes}})
+    if (!std::isfinite(v) || v < 0)
+      bad_input("train setup {}: {} is not a finite number >= 0", name, v);
   MemoryEstimate e;
   e.params = count_params(m, s);
   const ParamCounts& c = e.params;

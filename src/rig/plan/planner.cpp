@@ -28,10 +28,64 @@ double to_number(const std::string& s, const std::string& what) {
   try {
     size_t pos = 0;
     double v = std::stod(s, &pos);
-    if (pos == s.size()) return v;
+    if (pos == s.size() && std::isfinite(v)) return v;
   } catch (...) {
   }
-  bad_input("{}: '{}' is not a number", what, s);
+  bad_input("{}: '{}' is not a finite number", what, s);
+}
+
+// Library callers reach make_plan without the command line's checks: every floating input must be
+// a finite number, and the fractions inside their ranges. Errors name the PlanInput field.
+void check_input(const PlanInput& in) {
+  const std::pair<const char*, double> fields[] = {
+      {"pcie_efficiency", in.pcie_efficiency},
+      {"nvlink_efficiency", in.nvlink_efficiency},
+      {"efficiency", in.efficiency},
+      {"overlap", in.overlap},
+      {"max_memory", in.max_memory},
+      {"tokens", in.tokens},
+      {"job_hours", in.job_hours},
+      {"system_w", in.system_w},
+      {"psu_w", in.psu_w},
+      {"power_limit_w", in.power_limit_w},
+      {"power_perf_exponent", in.power_perf_exponent},
+      {"fit_per_gb", in.fit_per_gb},
+      {"other_mtbf_hours", in.other_mtbf_hours},
+      {"checkpoint_write_gbs", in.checkpoint_write_gbs},
+      {"checkpoint_seconds", in.checkpoint_seconds},
+      {"fx", in.fx},
+      {"hardware_cost", in.hardware_cost},
+      {"platform_cost", in.platform_cost},
+      {"kwh_price", in.kwh_price},
+      {"resale_fraction", in.resale_fraction},
+      {"cloud_price", in.cloud_price},
+      {"cloud_job_hours", in.cloud_job_hours},
+  };
+  for (const auto& [name, v] : fields)
+    if (!std::isfinite(v)) bad_input("plan input {}: {} is not a finite number", name, v);
+  if (in.efficiency < 0 || in.efficiency > 1)
+    bad_input("plan input efficiency: {} is not in (0, 1] (0: the measured one)", in.efficiency);
+  if (in.overlap < 0 || in.overlap > 1)
+    bad_input("plan input overlap: {} is not in [0, 1]", in.overlap);
+  for (const auto& [name, v] : {std::pair{"pcie_efficiency", in.pcie_efficiency},
+                                std::pair{"nvlink_efficiency", in.nvlink_efficiency}})
+    if (v <= 0 || v > 1) bad_input("plan input {}: {} is not in (0, 1]", name, v);
+  if (in.tokens <= 0) bad_input("plan input tokens: {} is not > 0", in.tokens);
+  if (in.checkpoint_write_gbs <= 0)
+    bad_input("plan input checkpoint_write_gbs: {} is not > 0", in.checkpoint_write_gbs);
+  if (in.fx <= 0) bad_input("plan input fx: {} is not > 0", in.fx);
+  if (in.resale_fraction < 0 || in.resale_fraction > 1)
+    bad_input("plan input resale_fraction: {} is not in [0, 1]", in.resale_fraction);
+  for (const auto& m : in.calibration) {
+    if (!std::isfinite(m.efficiency) || m.efficiency <= 0 || m.efficiency > 1)
+      bad_input("plan input calibration efficiency ({}): {} is not in (0, 1]", m.source,
+                m.efficiency);
+    if (!std::isfinite(m.memory_share) || m.memory_share < 0 || m.memory_share > 1)
+      bad_input("plan input calibration memory_share ({}): {} is not in [0, 1]", m.source,
+                m.memory_share);
+  }
+  if (in.efficiency > 0 && !in.calibration.empty())
+    bad_input("plan input: give efficiency or a calibration, not both");
 }
 
 // Fits: the memory model at (B, T) against every card's budget.
@@ -186,20 +240,25 @@ Network parse_network(const std::string& text) {
 }
 
 Flops flops_per_token(const ModelConfig& m, const TrainSetup& s) {
+  return flops_per_token(m, s, double(count_params(m, s).lora_total()), double(s.seq_len));
+}
+
+Flops flops_per_token(const ModelConfig& m, const TrainSetup& s, double lora_params,
+                      double attention_span) {
   ParamCounts c = count_params(m, s);
   const double n_layers = double(c.layers * c.linear_per_layer);
   const double n = n_layers + double(m.vocab_size * m.hidden_size);  // LM head matmul, tied or not
-  const double attn_fwd = 4.0 * double(m.num_layers) * double(m.q_dim()) * double(s.seq_len);
+  const double attn_fwd = 4.0 * double(m.num_layers) * double(m.q_dim()) * attention_span;
   Flops f;
   f.matmul = (s.method == Method::full ? 6.0 : 4.0) * n;
-  f.lora = 6.0 * double(c.lora_total());
+  f.lora = 6.0 * lora_params;
   f.attention = 3 * attn_fwd;
   if (s.checkpointing == Checkpointing::full) {
     // Only the layers that recompute (selective recomputes element-wise work: no FLOPs here).
     const double L = double(m.num_layers);
     const double frac =
         s.recompute_layers < 0 ? 1.0 : std::min(L, double(s.recompute_layers)) / std::max(L, 1.0);
-    f.recompute = frac * (2.0 * n_layers + 2.0 * double(c.lora_total()) + attn_fwd);
+    f.recompute = frac * (2.0 * n_layers + 2.0 * lora_params + attn_fwd);
   }
   return f;
 }
@@ -271,9 +330,9 @@ double plan_links(Plan& p, int per_node) {
   return uplink;
 }
 
-// Compute: tokens per second of every group at --efficiency and --power-limit; the slowest sets
-// the step.
-void plan_compute(Plan& p) {
+// Compute: tokens per second of every group at its efficiency (--efficiency, else rig's measured
+// one for the card and method, speed.h) and --power-limit; the slowest sets the step.
+void plan_compute(Plan& p, const Catalog& catalog) {
   const PlanInput& in = p.in;
   const ModelConfig& m = in.model;
   const TrainSetup& s = in.setup;
@@ -284,12 +343,27 @@ void plan_compute(Plan& p) {
     double factor = 1.0;
     if (in.power_limit_w > 0 && in.power_limit_w < g.gpu->tdp_w)
       factor = std::pow(in.power_limit_w / g.gpu->tdp_w, in.power_perf_exponent);
-    g.tflops = g.gpu->bf16_tflops * in.efficiency * factor;
+    if (in.efficiency > 0) {
+      g.efficiency = in.efficiency;
+      g.efficiency_source = "--efficiency";
+    } else {
+      EfficiencyChoice e = choose_efficiency(*g.gpu, s.method, in.calibration, catalog);
+      g.efficiency = e.efficiency;
+      g.efficiency_source = e.source;
+      g.efficiency_estimate = e.estimate;
+    }
+    g.tflops = g.gpu->bf16_tflops * g.efficiency * factor;
     g.tokens_per_s = g.tflops * 1e12 / fpt;
     // Ranks step together: the slowest card sets the pace.
     p.step_compute_s = std::max(p.step_compute_s,
                                 double(s.micro_batch * s.seq_len * s.grad_accum) / g.tokens_per_s);
   }
+  for (auto& g : p.groups)
+    if (g.efficiency_estimate)
+      p.warnings.push_back(fmt::format(
+          "speed on {} is an estimate (rig was not measured on this card, see Speed): measure "
+          "with `rig bench train --json` on it and pass the line to --calibrate",
+          g.gpu->key));
   if (p.groups.size() > 1)
     p.warnings.push_back(
         "mixed cards: every rank gets the same batch, so the slowest card sets the step time and "
@@ -481,15 +555,13 @@ Plan make_plan(const PlanInput& input, const Catalog& catalog) {
   p.in = input;
   PlanInput& in = p.in;
   if (in.nodes < 1) bad_input("--nodes {}: expected >= 1", in.nodes);
-  if (in.efficiency <= 0 || in.efficiency > 1)
-    bad_input("--efficiency {}: expected (0, 1]", in.efficiency);
-  if (in.overlap < 0 || in.overlap > 1) bad_input("--overlap {}: expected [0, 1]", in.overlap);
+  check_input(in);
   if (in.setup.grad_accum < 1) bad_input("--grad-accum must be >= 1");
 
   const int per_node = plan_groups(p, catalog);
   plan_memory(p);
   const double uplink = plan_links(p, per_node);
-  plan_compute(p);
+  plan_compute(p, catalog);
   plan_comm(p, per_node, uplink);
   p.step_s = p.step_compute_s + (1 - in.overlap) * p.comm_s;
   p.comm_share = p.step_s > 0 ? (1 - in.overlap) * p.comm_s / p.step_s : 0;

@@ -9,6 +9,7 @@
 #include "rig/model/config.h"
 #include "rig/plan/catalog.h"
 #include "rig/plan/memory.h"
+#include "rig/plan/speed.h"
 
 namespace rig::plan {
 
@@ -61,11 +62,14 @@ struct PlanInput {
   std::string network;              // between nodes
   double pcie_efficiency = 0.75;    // bus bandwidth / raw link rate for NCCL over PCIe
   double nvlink_efficiency = 0.80;  // same over NVLink
-  double efficiency = 0.35;         // achieved / peak dense bf16 TFLOPS for the GEMMs
-  double overlap = 0.0;             // fraction of communication hidden behind compute
-  double max_memory = 0;            // bytes usable per card; 0: the card's memory
-  double tokens = 1e9;              // training tokens of the job
-  double job_hours = 0;             // override the computed job time (0: from tokens)
+  // Achieved / peak dense bf16 TFLOPS for every card; 0: rig's measured efficiency for each card
+  // and the method (speed.h: the calibration's, else the built-in table's, else an estimate).
+  double efficiency = 0;
+  std::vector<MeasuredEfficiency> calibration;  // `rig plan --calibrate`: read_calibration()
+  double overlap = 0.0;                         // fraction of communication hidden behind compute
+  double max_memory = 0;                        // bytes usable per card; 0: the card's memory
+  double tokens = 1e9;                          // training tokens of the job
+  double job_hours = 0;                         // override the computed job time (0: from tokens)
   // power
   double system_w = 300;             // CPU, board, disks, fans per node
   double psu_w = 0;                  // 0: not checked
@@ -98,6 +102,10 @@ struct Flops {
 // that recompute.
 // N counts the matmul weights: the decoder layers' linears and the LM head (not the lookup).
 Flops flops_per_token(const ModelConfig& m, const TrainSetup& s);
+// The same with the LoRA parameter count and the span a token attends over given (a row packed
+// with documents attends over each document, not the row): what a `rig bench train` record ran.
+Flops flops_per_token(const ModelConfig& m, const TrainSetup& s, double lora_params,
+                      double attention_span);
 
 struct GroupPlan {  // one kind of card
   const GpuSpec* gpu = nullptr;
@@ -105,8 +113,11 @@ struct GroupPlan {  // one kind of card
   std::vector<PcieLink> links;
   double budget = 0;  // bytes usable
   bool fits = false;
-  double tflops = 0;        // effective, after efficiency and power limit
-  double tokens_per_s = 0;  // per card, compute only
+  double efficiency = 0;             // achieved / peak dense bf16 on this card
+  std::string efficiency_source;     // measured, calibrated, --efficiency or an estimate
+  bool efficiency_estimate = false;  // extrapolated from another card
+  double tflops = 0;                 // effective, after efficiency and power limit
+  double tokens_per_s = 0;           // per card, compute only
 };
 
 struct Plan {

@@ -59,12 +59,20 @@ nlohmann::json Plan::to_json() const {
                   {"budget_bytes", g.budget},
                   {"fits", g.fits},
                   {"bf16_tflops", g.gpu->bf16_tflops},
+                  {"efficiency", g.efficiency},
+                  {"efficiency_source", g.efficiency_source},
+                  {"efficiency_estimate", g.efficiency_estimate},
                   {"effective_tflops", g.tflops},
                   {"tokens_per_s_per_gpu", g.tokens_per_s},
                   {"pcie", links}});
   }
   j["gpus"] = gs;
-  j["speed"] = {{"efficiency", in.efficiency},
+  // The card that sets the step (the slowest): its efficiency and where that came from.
+  const GroupPlan* slowest = nullptr;
+  for (auto& g : groups)
+    if (!slowest || g.tokens_per_s < slowest->tokens_per_s) slowest = &g;
+  j["speed"] = {{"efficiency", slowest ? slowest->efficiency : in.efficiency},
+                {"efficiency_source", slowest ? slowest->efficiency_source : ""},
                 {"flops_per_token",
                  {{"matmul", flops.matmul},
                   {"lora", flops.lora},
@@ -154,7 +162,7 @@ std::string Plan::to_text() const {
   LINE("  largest micro-batch at seq {}: {}; largest seq at micro-batch {}: {}", s.seq_len,
        max_micro_batch, s.micro_batch, max_seq_len);
   o += "\n";
-  LINE("Speed (efficiency {:.0f}% of dense bf16)", 100 * in.efficiency);
+  LINE("Speed");
   LINE("  FLOPs/token    {:.3g} (matmul {:.3g}, attention {:.3g}, recompute {:.3g}, lora {:.3g})",
        flops.per_token(), flops.matmul, flops.attention, flops.recompute, flops.lora);
   for (auto& g : groups) {
@@ -162,6 +170,8 @@ std::string Plan::to_text() const {
     for (auto& l : g.links) links += (links.empty() ? "" : ", ") + l.str();
     LINE("  {:<14} {:.1f} TFLOP/s effective, {:.0f} tokens/s per card, PCIe {}", g.gpu->key,
          g.tflops, g.tokens_per_s, links);
+    LINE("  {:<14} efficiency {:.1f}% of dense bf16 ({})", "", 100 * g.efficiency,
+         g.efficiency_source);
   }
   if (world > 1)
     LINE(

@@ -4,7 +4,7 @@
 #   1. the shared-GPU tests (staged collectives; 2 and 4 ranks against one, bf16, ddp and sharded)
 #   2. llama3-8b QLoRA and LoRA data-parallel on 2 ranks sharing the GPU against 1 rank
 #   3. the seeds' flagship shape: llama3-70b QLoRA sharded over 4 ranks, max_memory 22GiB each
-#   c. rig bench comm with 4 ranks on the GPU (Gloo staged in host memory)
+#   c. rig bench comm with 4 ranks on the GPU (CUDA IPC device buffers, then shared host memory)
 # usage: bench/multirank.sh OUTDIR [parts, default "1 2 3"] (STEPS70 sets part 3's steps; 2q and 2l
 #        run part 2 for QLoRA or LoRA alone; bf16 LoRA of 8B at micro-batch 2 needs more than 22 GiB,
 #        so the LoRA runs have no cap)
@@ -41,8 +41,13 @@ for p in $parts; do case $p in
   done
   ;;
 c)
-  timeout 120 "$R" bench comm --nproc-per-node 4 --op all --max-bytes 256M > "$out/bench_comm_4_on_1.txt" 2>&1
-  echo "bench comm, 4 ranks on one GPU: rc $?"; grep -E "share|correct|WRONG" "$out/bench_comm_4_on_1.txt"
+  # The default (CUDA IPC device buffers), then shared host memory, at the same sizes.
+  for t in ipc shm; do
+    RIG_STAGED_IPC=$([ $t = ipc ] && echo 1 || echo 0) timeout 120 "$R" bench comm \
+      --nproc-per-node 4 --op all --min-bytes 1M --max-bytes 256M > "$out/bench_comm_4_on_1_$t.txt" 2>&1
+    echo "bench comm, 4 ranks on one GPU, $t: rc $?"
+    grep -E "share|correct|WRONG|268435456|67108864" "$out/bench_comm_4_on_1_$t.txt"
+  done
   ;;
 3)
   run=$out/runs/70b-qlora-4
@@ -58,11 +63,17 @@ c)
     RIG_STAGED_SHM=0 timeout $(( ${T70:-540} - 150 )) "$R" train configs/llama3-70b-qlora-4x24gb.yaml \
       --nproc-per-node 4 --quiet --output "$run" --set init=random architecture=llama3-70b \
       max_steps=${STEPS70:-20} gradient_accumulation_steps=1 num_epochs=4 schedule.warmup_steps=2 \
-      optimizer.lr=5e-4 "${data[@]}" > "$out/70b.log" 2>&1
+      optimizer.lr=5e-4 "${data[@]}" ${EXTRA70:-} > "$out/70b.log" 2>&1
     echo "70b QLoRA on 4 ranks, Gloo sockets: rc $? in $(( $(date +%s) - start )) s"
   fi
   tail -5 "$out/70b.log"
   cp "$run/metrics.jsonl" "$out/70b-metrics.jsonl" 2>/dev/null
+  cp "$run/train.log" "$out/70b-train.log" 2>/dev/null
   grep -h -E 'share|peak reserved|step 1:|step 20:' "$run/train.log" | head
+  # What the planner predicts per card for the same job (sequence length as run).
+  seq70=$(echo "${EXTRA70:-}" | grep -o 'sequence_len=[0-9]*' | cut -d= -f2)
+  "$R" plan --model llama3-70b --method qlora --rank 16 --seq "${seq70:-2048}" --micro-batch 1 \
+    --checkpointing full --strategy fsdp --optimizer adamw --gpus 4x4090 --json > "$out/70b-plan.json" 2>&1
+  echo "plan rc $?"; grep -o '"total[^,]*' "$out/70b-plan.json" | head -3
   ;;
 esac; done

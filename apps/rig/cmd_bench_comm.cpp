@@ -41,10 +41,11 @@ int run(const Args& a) {
     // GPU tensors: NCCL with a GPU per rank, Gloo staged in host memory when ranks share GPUs
     // (an explicit --backend nccl with more ranks than GPUs is one line saying so).
     const Placement where = place_rank(env, rig::cuda_device_count(), a.backend);
-    if (env.rank == 0 && where.ranks_per_gpu > 1)
-      fmt::print(stderr, "rig: {}\n", where.describe(env.local_world));
     backend = where.backend;
     group = init_group(env, where, co);
+    if (env.rank == 0 && where.ranks_per_gpu > 1)
+      fmt::print(stderr, "rig: {} (data through {})\n", where.describe(env.local_world),
+                 group->comm->transport());
   } else {
     group = init_group(env, backend, co);
   }

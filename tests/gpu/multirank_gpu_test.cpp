@@ -1,10 +1,12 @@
-// Several ranks sharing one GPU (threads here, each with its own Gloo communicator staged through
-// page-locked host memory): the collectives against closed forms, and data-parallel and sharded
-// bf16 training (LoRA, QLoRA, full) against the one-rank GPU run, resumed on 4 -> 2 -> 1 ranks.
+// Several ranks sharing one GPU (threads here, each with its own Gloo communicator staged outside
+// NCCL: sockets, shared host memory or device buffers): the collectives against closed forms, and
+// data-parallel and sharded bf16 training (LoRA, QLoRA, full) against the one-rank GPU run,
+// resumed on 4 -> 2 -> 1 ranks.
 // Skipped with the reason when no GPU is visible.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <tuple>
@@ -78,14 +80,31 @@ double expect_bf16_close(const std::string& ref, const std::string& got, const s
 
 TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
   REQUIRE_GPU();
-  // Through Gloo's sockets, and through the shared-memory segment of ranks on one host.
-  for (int world : {2, 4, -2, -4}) {
-    const bool shm = world < 0;
-    world = std::abs(world);
+  // Through Gloo's sockets, the shared-memory segment of ranks on one host, and device buffers
+  // (CUDA IPC between processes; these ranks are threads, so the same rounds over each other's
+  // pointers), at sizes from 4 B to 4 MiB and at 150 MiB (several 32 MiB rounds per collective).
+  struct Case {
+    int world;
+    const char* transport;
+    int64_t min_bytes, max_bytes;
+  };
+  const Case cases[] = {{2, "Gloo sockets", 4, 4 << 20},
+                        {4, "Gloo sockets", 4, 4 << 20},
+                        {2, "shared host memory", 4, 4 << 20},
+                        {4, "shared host memory", 4, 4 << 20},
+                        {2, "CUDA IPC device buffers", 4, 4 << 20},
+                        {4, "CUDA IPC device buffers", 4, 4 << 20},
+                        {4, "shared host memory", 150 << 20, 150 << 20},
+                        {4, "CUDA IPC device buffers", 150 << 20, 150 << 20}};
+  for (const Case& c : cases) {
+    const std::string tr = c.transport;
+    const bool store_shared = tr != "Gloo sockets";
+    if (tr == "shared host memory") ::setenv("RIG_STAGED_IPC", "0", 1);
+    const int world = c.world;
     dist::StoreServer server(0);
     std::vector<std::thread> ts;
     std::vector<int64_t> wrong(static_cast<size_t>(world), -1);
-    std::vector<std::string> errors(static_cast<size_t>(world));
+    std::vector<std::string> errors(static_cast<size_t>(world)), used(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r)
       ts.emplace_back([&, r] {
         try {
@@ -94,12 +113,13 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
           dist::CommOptions co;
           co.timeout = std::chrono::seconds(30);
           auto comm = dist::make_staged(dist::make_gloo(store, r, world, co), Device::cuda(0),
-                                        shm ? store : nullptr);
+                                        store_shared ? store : nullptr);
           EXPECT_EQ(comm->device(), Device::cuda(0));
+          used[size_t(r)] = comm->transport();
           dist::CommBenchOptions o;
           o.ops = dist::all_comm_ops();
-          o.min_bytes = 4;
-          o.max_bytes = 4 << 20;
+          o.min_bytes = c.min_bytes;
+          o.max_bytes = c.max_bytes;
           o.factor = 8;
           o.iters = 2;
           o.warmup = 1;
@@ -111,9 +131,13 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
         }
       });
     for (auto& t : ts) t.join();
+    ::unsetenv("RIG_STAGED_IPC");
     for (int r = 0; r < world; ++r) {
-      EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
-      EXPECT_EQ(wrong[size_t(r)], 0) << "rank " << r << " of " << world << (shm ? " (shm)" : "");
+      const std::string what = fmt::format("rank {} of {} through {}, {} to {} bytes", r, world,
+                                           tr, c.min_bytes, c.max_bytes);
+      EXPECT_EQ(errors[size_t(r)], "") << what;
+      EXPECT_EQ(used[size_t(r)], tr) << what;
+      EXPECT_EQ(wrong[size_t(r)], 0) << what;
     }
   }
 }

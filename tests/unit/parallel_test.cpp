@@ -111,8 +111,15 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
           check(
               held >= total / size_t(world) && held <= total / size_t(world) + total / 20,
               fmt::format("rank holds {} bytes of {} 4-bit bytes on {} ranks", held, total, world));
-          // In a layer's hooks only that layer's weights are whole, byte for byte.
+          // The frozen input embedding is gathered for its lookup only, the head for the loss.
+          auto whole = [&](const char* name) { return m->find_param(name)->value.defined(); };
           sh.before(-1, StepHooks::Forward);
+          check(whole("model.embed_tokens.weight") && whole("lm_head.weight"),
+                "outer weights not gathered at the start of the step");
+          sh.outer_done(StepHooks::Embedding);
+          check(!whole("model.embed_tokens.weight") && whole("lm_head.weight"),
+                "the embedding is kept after its lookup, or the head went with it");
+          // In a layer's hooks only that layer's weights are whole, byte for byte.
           sh.before(0, StepHooks::Forward);
           size_t layer0 = 0;
           for (const auto& p : m->params())
@@ -124,6 +131,8 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
           sh.after(0, StepHooks::Forward);
           sh.before(1, StepHooks::Forward);
           sh.after(1, StepHooks::Forward);
+          sh.outer_done(StepHooks::Head);
+          check(!whole("lm_head.weight") && !whole("model.norm.weight"), "head kept after the loss");
           sh.after(-1, StepHooks::Forward);
           check(m->quantized_bytes() == 0, "4-bit tensors kept after their layer");
           sh.gather_all();

@@ -402,3 +402,24 @@ TEST(TrainConfig, SaveRunConfigWritesBothForms) {
 }
 
 }  // namespace
+
+TEST(TrainConfig, ChatDatasetsDefaultToTheModelsOwnTemplate) {
+  TrainConfig c = parse_train_config(R"(
+model: m
+datasets:
+  - {path: chat.jsonl, format: chat}
+  - {path: chat2.jsonl, format: chat, template: auto}
+  - {path: alpaca.jsonl}
+)",
+                                     "c.yaml");
+  EXPECT_EQ(c.datasets[0].template_name, "auto");
+  EXPECT_EQ(c.datasets[1].template_name, "auto");
+  EXPECT_EQ(c.datasets[2].template_name, "alpaca");
+  EXPECT_THROW(parse_train_config(R"(
+model: m
+datasets:
+  - {path: chat.jsonl, format: chat, template: mistral}
+)",
+                                  "c.yaml"),
+               InputError);
+}

@@ -23,15 +23,22 @@ void* Allocator::allocate(size_t bytes, std::string_view what) {
   void* p = raw_allocate(bytes);
   if (!p) {
     in_use_.fetch_sub(bytes);
-    if (b)
+    // Within the budget after the cache was released, yet refused: the device itself is full
+    // (other processes, or ranks sharing the GPU, hold the rest).
+    if (b && !fits_budget(bytes))
       throw OutOfMemory(fmt::format(
           "out of memory on {}: allocating {} for {} with {} in use ({} reserved) would exceed "
           "the budget of {}",
           device_, format_bytes(double(bytes)), what, format_bytes(double(now - bytes)),
           format_bytes(double(reserved_.load())), format_bytes(double(b))));
-    throw OutOfMemory(fmt::format("out of memory on {}: allocating {} for {} with {} in use",
-                                  device_, format_bytes(double(bytes)), what,
-                                  format_bytes(double(now - bytes))));
+    throw OutOfMemory(fmt::format(
+        "out of memory on {}: allocating {} for {} with {} in use ({} reserved by this process) "
+        "failed: the device has no more free memory{}",
+        device_, format_bytes(double(bytes)), what, format_bytes(double(now - bytes)),
+        format_bytes(double(reserved_.load())),
+        b ? fmt::format(" (the budget of {} was not reached; other processes hold the rest)",
+                        format_bytes(double(b)))
+          : std::string()));
   }
   size_t pk = peak_.load();
   while (now > pk && !peak_.compare_exchange_weak(pk, now)) {

@@ -4,6 +4,7 @@
 // instead (cudaMallocFromPoolAsync on the stream every op runs on), which splits and joins blocks
 // itself (far less reserved beyond use); the reserved bytes are then the pool's own count.
 // RIG_CUDA_ALLOCATOR=caching picks the caching allocator.
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -263,6 +264,69 @@ void cuda_memset_zero(void* p, size_t n, int index) {
   RIG_CUDA_CHECK(cudaSetDevice(index));
   RIG_CUDA_CHECK(cudaMemset(p, 0, n));
   RIG_CUDA_CHECK(cudaSetDevice(prev));
+}
+
+}  // namespace rig
+
+namespace rig {
+
+namespace {
+// Runs f with `index` as the current device, restoring the caller's.
+template <typename F>
+auto on_device(int index, F f) {
+  int prev;
+  RIG_CUDA_CHECK(cudaGetDevice(&prev));
+  RIG_CUDA_CHECK(cudaSetDevice(index));
+  auto r = f();
+  RIG_CUDA_CHECK(cudaSetDevice(prev));
+  return r;
+}
+}  // namespace
+
+bool cuda_ipc_alloc(int index, size_t bytes, void** p, char handle[64]) {
+  static_assert(sizeof(cudaIpcMemHandle_t) == 64);
+  return on_device(index, [&] {
+    if (cudaMalloc(p, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    cudaIpcMemHandle_t h;
+    if (cudaIpcGetMemHandle(&h, *p) != cudaSuccess) {
+      cudaGetLastError();
+      cudaFree(*p);
+      return false;
+    }
+    std::memcpy(handle, &h, 64);
+    return true;
+  });
+}
+
+void cuda_ipc_free(int index, void* p) {
+  on_device(index, [&] { return cudaFree(p); });
+}
+
+void* cuda_ipc_open(int index, const char handle[64]) {
+  return on_device(index, [&]() -> void* {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle, 64);
+    void* p = nullptr;
+    if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  });
+}
+
+void cuda_ipc_close(int index, void* p) {
+  on_device(index, [&] { return cudaIpcCloseMemHandle(p); });
+}
+
+void cuda_stream_sync(int index) {
+  on_device(index, [&] {
+    RIG_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+    return 0;
+  });
 }
 
 }  // namespace rig

@@ -18,6 +18,11 @@ void* cuda_host_alloc(size_t bytes);  // nullptr when page-locked memory is not 
 void cuda_host_free(void* p);
 bool cuda_host_register(void* p, size_t bytes);
 void cuda_host_unregister(void* p);
+bool cuda_ipc_alloc(int index, size_t bytes, void** p, char handle[64]);
+void cuda_ipc_free(int index, void* p);
+void* cuda_ipc_open(int index, const char handle[64]);
+void cuda_ipc_close(int index, void* p);
+void cuda_stream_sync(int index);
 #endif
 
 Allocator& allocator_for(Device d) {
@@ -99,3 +104,19 @@ void Tensor::zero_() {
 }
 
 }  // namespace rig
+#ifdef RIG_WITH_CUDA
+bool ipc_alloc(int device, size_t bytes, void** p, char handle[64]) {
+  return cuda_available() && cuda_ipc_alloc(device, bytes, p, handle);
+}
+void ipc_free(int device, void* p) { cuda_ipc_free(device, p); }
+void* ipc_open(int device, const char handle[64]) { return cuda_ipc_open(device, handle); }
+void ipc_close(int device, void* p) { cuda_ipc_close(device, p); }
+void device_stream_sync(int device) { cuda_stream_sync(device); }
+#else
+bool ipc_alloc(int, size_t, void**, char[64]) { return false; }
+void ipc_free(int, void*) {}
+void* ipc_open(int, const char[64]) { return nullptr; }
+void ipc_close(int, void*) {}
+void device_stream_sync(int) {}
+#endif
+

@@ -14,4 +14,15 @@ std::shared_ptr<void> pinned_host_block(size_t bytes);
 bool pin_host_range(void* p, size_t bytes);
 void unpin_host_range(void* p);
 
+// Device memory that other processes on this host map (CUDA IPC): how ranks sharing a GPU
+// exchange tensors without the round trip through host memory. A handle is 64 opaque bytes.
+// ipc_alloc and ipc_open return false / nullptr where that is not possible (no CUDA, or the
+// driver refuses).
+bool ipc_alloc(int device, size_t bytes, void** p, char handle[64]);
+void ipc_free(int device, void* p);
+void* ipc_open(int device, const char handle[64]);
+void ipc_close(int device, void* p);
+// Waits for the work queued on the stream the ops run on (the legacy default stream).
+void device_stream_sync(int device);
+
 }  // namespace rig

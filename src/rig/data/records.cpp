@@ -372,7 +372,11 @@ DataFormat detect_data_format(const std::string& path) {
 ChatTemplate detect_chat_template(const Tokenizer& tok) {
   if (tok.token_to_id("<|start_header_id|>") >= 0) return ChatTemplate::Llama3;
   if (tok.token_to_id("<|im_start|>") >= 0) return ChatTemplate::ChatML;
-  bad_input("tokenizer {} has neither Llama 3 nor ChatML control tokens; pass --chat-template", tok.path());
+  bad_input(
+      "tokenizer {} has no chat template beside it (tokenizer_config.json) and neither Llama 3 "
+      "nor ChatML control tokens; name a template (the dataset's template: llama3 or chatml, or "
+      "--template)",
+      tok.path());
 }
 
 std::vector<Sample> load_samples(const std::string& path, const Tokenizer* tok,

@@ -97,8 +97,8 @@ std::string Placement::describe(int local_world) const {
   if (device.is_cpu()) return fmt::format("{} rank(s) on the CPU, collectives through Gloo", local_world);
   if (ranks_per_gpu > 1)
     return fmt::format(
-        "{} ranks share {} GPU(s) (up to {} per GPU): collectives go through Gloo, staged in "
-        "page-locked host memory",
+        "{} ranks share {} GPU(s) (up to {} per GPU): collectives go through Gloo, staged "
+        "outside NCCL",
         local_world, (local_world + ranks_per_gpu - 1) / ranks_per_gpu, ranks_per_gpu);
   return fmt::format("{} rank(s), one GPU each, collectives through {}", local_world,
                      staged() ? "Gloo staged in host memory" : "NCCL");

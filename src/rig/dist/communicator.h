@@ -50,6 +50,9 @@ class Communicator {
   virtual Backend backend() const = 0;
   // Where tensors handed to this communicator must live.
   virtual Device device() const = 0;
+  // How the data of staged collectives moves between ranks sharing a GPU ("CUDA IPC device
+  // buffers", "shared host memory", "Gloo sockets"); empty for the others.
+  virtual std::string transport() const { return {}; }
 
   // In place: every rank ends with op over all ranks' `t`.
   virtual WorkPtr all_reduce_async(const Tensor& t, ReduceOp op = ReduceOp::Sum) = 0;
@@ -85,7 +88,8 @@ bool nccl_built();
 // (Gloo) through page-locked host copies; the results reach `dev` when the Work is waited for.
 // With `node_store` (every rank of the world on this host, the store they share) the data moves
 // through one shared-memory segment instead, each collective complete when issued, with Gloo
-// for the barriers (RIG_STAGED_SHM=0 turns that off). `dev` on the CPU without a store returns
+// for the barriers (RIG_STAGED_SHM=0 turns that off); on a GPU, through device buffers the
+// ranks map with CUDA IPC when every rank can (RIG_STAGED_IPC=0 turns that off). `dev` on the CPU without a store returns
 // `host` itself.
 std::unique_ptr<Communicator> make_staged(std::unique_ptr<Communicator> host, Device dev,
                                           std::shared_ptr<Store> node_store = nullptr);

@@ -331,6 +331,10 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
   }
   Tensor h = fresh_on(dev_, {N, H}, "embeddings");
   ops::embedding_forward(dbatch.input_ids.reshape({N}), embed_, h);
+  if (hk) {
+    hk->outer_done(StepHooks::Embedding);
+    bind_outer();
+  }
   std::vector<Acts> acts(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (hk) hk->before(int(l), StepHooks::Forward);
@@ -356,7 +360,12 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
     *opt.logits = Tensor::empty({B, T, cfg_.vocab_size}, DType::F32, Device::cpu(), "logits");
   Tensor dhn = head_and_loss(hn, targets, scale, opt, row_loss);
   hn = Tensor();
-  if (opt.backward) backward(acts, dhn, h, rstd, dbatch, seed, opt);
+  if (opt.backward) {
+    backward(acts, dhn, h, rstd, dbatch, seed, opt);
+  } else if (hk) {
+    hk->outer_done(StepHooks::Head);
+    bind_outer();
+  }
   if (hk) {
     hk->after(-1, phase);
     bind_outer();
@@ -378,6 +387,10 @@ void LlamaModel::backward(std::vector<Acts>& acts, Tensor& dhn, const Tensor& h,
       fn->grad.defined() ? fn->grad : Tensor::zeros(fn->value.shape(), DType::F32, dev_, "frozen");
   ops::rmsnorm_backward(dhn, h, final_norm_, rstd, dh, dfn);
   dhn = Tensor();
+  if (hk) {
+    hk->outer_done(StepHooks::Head);
+    bind_outer();
+  }
   Tensor dh_act = act_ == DType::F32 ? dh : act({N, H}, "d hidden operand");
   if (dh_act.raw() != dh.raw()) ops::cast(dh, dh_act);
   for (int l = int(layers_.size()) - 1; l >= 0; --l) {

@@ -184,12 +184,21 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   if (s.world_size > 1) {
     e.comm_buffers = s.nccl_bytes;
     if (s.strategy == Strategy::sharded) {
-      double unit = layer_weight_bytes + double(c.lora_per_layer) * p;
-      unit = std::max(unit, double(c.embedding) * p);
+      const double unit = layer_weight_bytes + double(c.lora_per_layer) * p;
+      double in_flight = (1 + s.prefetch_units) * unit;
+      if (s.trains_base()) {
+        // Trainable outer parameters stay gathered for the whole step.
+        in_flight = (1 + s.prefetch_units) * std::max(unit, double(c.embedding) * p);
+      } else {
+        // Frozen ones only around their use: the embedding for its lookup, the head (final
+        // norm and lm_head) for the loss, while no layer is gathered.
+        const double head = double(c.lm_head ? c.lm_head : c.embedding) * p + double(h) * p;
+        in_flight = std::max(in_flight, head);
+      }
       double grad_unit = s.trains_base() ? std::max(double(c.linear_per_layer + c.other_per_layer),
                                                     double(c.embedding))
                                          : double(c.lora_per_layer);
-      e.comm_buffers += (1 + s.prefetch_units) * unit + grad_unit * p;
+      e.comm_buffers += in_flight + grad_unit * p;
     } else {
       e.comm_buffers += 2 * std::min(s.bucket_bytes, trainable * p);
     }

@@ -70,6 +70,8 @@ struct FlatUnit {
   // A frozen unit under bf16 compute: its matrices are stored in bf16 beside float32 norms, so it
   // too carries each tensor's bytes in float32 words (params: name and size in words).
   bool bytes = false;
+  // The frozen input embedding alone ("outer.embedding.frozen"), released after its lookup.
+  bool embedding = false;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
   // 8-bit AdamW (trainable units): every param starts on a multiple of align (its block of 256)
   // and each rank's shard is a multiple of it too, so a shard holds whole blocks of the very
@@ -107,6 +109,9 @@ class Sharded : public StepHooks {
 
   void before(int group, Phase phase) override;
   void after(int group, Phase phase) override;
+  // Releases the gathered frozen embedding, or the frozen head (final norm, lm_head), until the
+  // next step's before(-1).
+  void outer_done(OuterPart part) override;
   // Waits for the gradient reduce-scatters still in flight (before clipping).
   void finish();
   // Every parameter full on every rank (evaluation, generation, the final output) and back.

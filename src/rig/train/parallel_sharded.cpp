@@ -134,16 +134,33 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vect
           u.params.emplace_back(ps[i].name + st.suffix, words_of(st.nbytes));
       }
       if (m.empty()) continue;
-      // Frozen matrices stored in bf16 (bf16 compute) sit beside float32 norms: the unit then
-      // carries every tensor's bytes, as a 4-bit unit does.
-      if (kind == 2 && std::any_of(m.begin(), m.end(),
-                                   [&](size_t i) { return ps[i].value.dtype() != DType::F32; })) {
-        u.bytes = true;
-        u.params.clear();
-        for (size_t i : m) u.params.emplace_back(ps[i].name, words_of(ps[i].value));
+      auto emit = [&](FlatUnit v, std::vector<size_t> mm) {
+        // Frozen matrices stored in bf16 (bf16 compute) sit beside float32 norms: the unit then
+        // carries every tensor's bytes, as a 4-bit unit does.
+        if (kind == 2 && std::any_of(mm.begin(), mm.end(), [&](size_t i) {
+              return ps[i].value.dtype() != DType::F32;
+            })) {
+          v.bytes = true;
+          v.params.clear();
+          for (size_t i : mm) v.params.emplace_back(ps[i].name, words_of(ps[i].value));
+        }
+        units.push_back(std::move(v));
+        members.push_back(std::move(mm));
+      };
+      // A frozen input embedding (untied) is a unit of its own: read only by the lookup at the
+      // start of the step, it is released for the layers instead of staying gathered with the
+      // head (a vocabulary x hidden matrix: 2 GiB in bf16 for Llama 3 70B).
+      if (g < 0 && kind == 2 && !model.config().tie_word_embeddings && m.size() > 1 &&
+          m.front() == 0) {
+        FlatUnit e = u;
+        e.name = "outer.embedding.frozen";
+        e.embedding = true;
+        e.params.assign(u.params.begin(), u.params.begin() + 1);
+        u.params.erase(u.params.begin());
+        emit(std::move(e), {m.front()});
+        m.erase(m.begin());
       }
-      units.push_back(std::move(u));
-      members.push_back(std::move(m));
+      emit(std::move(u), std::move(m));
     }
   return members;
 }
@@ -422,6 +439,15 @@ void Sharded::after(int group, Phase phase) {
     }
     if (!pinned_) release(u);
   }
+}
+
+void Sharded::outer_done(OuterPart part) {
+  if (pinned_) return;
+  auto it = of_group_.find(-1);
+  if (it == of_group_.end()) return;
+  // Frozen units only: a trainable one holds its gradients until after(-1).
+  for (size_t k : it->second)
+    if (!units_[k].trainable && units_[k].embedding == (part == Embedding)) release(*state_[k]);
 }
 
 void Sharded::gather_all() {

@@ -25,7 +25,7 @@ struct LoraSettings {
 struct DatasetSettings {
   std::string path;
   std::string format = "alpaca";     // alpaca | chat | text | tokens
-  std::string template_name;         // alpaca | llama3 | chatml; empty for text and tokens
+  std::string template_name;  // auto | alpaca | llama3 | chatml; empty for text and tokens
 };
 
 struct OptimizerSettings {

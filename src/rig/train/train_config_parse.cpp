@@ -48,7 +48,7 @@ std::vector<std::string> read_targets(const Ctx& ctx, const Item& it) {
 const std::vector<std::string> kFormats = {"alpaca", "chat", "text", "tokens"};
 const std::map<std::string, std::string> kFormatAliases = {
     {"chat_template", "chat"}, {"completion", "text"}, {"pretrain", "text"}, {"sharegpt", "chat"}};
-const std::vector<std::string> kTemplates = {"alpaca", "llama3", "chatml"};
+const std::vector<std::string> kTemplates = {"auto", "alpaca", "llama3", "chatml"};
 
 DatasetSettings read_dataset(Ctx& ctx, const Item& it) {
   DatasetSettings d;
@@ -159,7 +159,7 @@ TrainConfig parse_root(Ctx& ctx, const YAML::Node& root) {
     if (d.format == "alpaca")
       d.template_name = default_template.empty() ? "alpaca" : default_template;
     if (d.format == "chat")
-      d.template_name = default_template.empty() ? "chatml" : default_template;
+      d.template_name = default_template.empty() ? "auto" : default_template;
   }
   for (const char* k : {"tokenizer", "tokenizer_config"})
     if (auto v = r.take(k))

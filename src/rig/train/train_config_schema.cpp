@@ -116,11 +116,15 @@ std::vector<ConfigSection> make_sections() {
                        "[{role, content}]}` records. `text`: raw text for continued pre-training. "
                        "`tokens`: `{input_ids: [...]}` already tokenised."},
                {.name = "datasets.N.template",
-                .type = "`alpaca` | `llama3` | `chatml`",
+                .type = "`auto` | `alpaca` | `llama3` | `chatml`",
                 .aliases = {{"datasets.N.chat_template"}},
                 .doc =
-                    "How records become text. Default: `alpaca` for alpaca records, `chatml` for "
-                    "chat, or the top-level `chat_template`. Not used with text and tokens."},
+                    "How records become text. `auto` (chat): the model's own Jinja chat template "
+                    "from the `tokenizer_config.json` (or `chat_template.jinja`) beside "
+                    "`tokenizer.json`, rendered as transformers' `apply_chat_template` does, the "
+                    "assistant turns trained; without one, `llama3` or `chatml` by the "
+                    "tokenizer's control tokens. Default for chat is `auto`, for alpaca `alpaca`, "
+                    "or the top-level `chat_template`. Not used with text and tokens."},
                {.name = "chat_template",
                 .type = "as above",
                 .default_text = "none",

@@ -65,6 +65,7 @@ void Trainer::open_run_log() {
       "({} tokens), {} held out",
       ckpt_ ? "resuming" : "starting", cfg_.method, step_, total_, n_params_, n_trainable_,
       data_.train->size(), data_.train->num_tokens(), data_.eval ? data_.eval->size() : 0));
+  for (const auto& t : data_.templates) note("chat template of " + t);
   if (!hooks_.quiet && lead_) progress_ = std::make_unique<Progress>(total_, step_);
   report_rejected();
   if (ckpt_) {

@@ -33,6 +33,7 @@ class Allocator;
 struct TrainData {
   std::shared_ptr<const TokenDataset> train, eval;
   RenderStats stats;
+  std::vector<std::string> templates;  // "path: template" of each chat dataset
 };
 
 std::string tokenizer_path(const TrainConfig& cfg);

@@ -80,6 +80,8 @@ TrainData load_data(const TrainConfig& cfg, const Tokenizer& tok) {
     d.stats.samples += st.samples;
     d.stats.tokens += st.tokens;
     d.stats.trained_tokens += st.trained_tokens;
+    if (!st.chat_template.empty())
+      d.templates.push_back(fmt::format("{}: {}", ds.path, st.chat_template));
     all.insert(all.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
   }
   if (all.empty()) bad_input("{}: the datasets hold no samples", cfg.source);
@@ -218,12 +220,13 @@ void Trainer::setup_ranks() {
         where.device = dev_;
         where.ranks_per_gpu = env.local_world;
         where.backend = env.local_world == 1 && dist::nccl_built() ? dist::Backend::Nccl
+      if (!comm_->transport().empty()) placement_ += " (data through " + comm_->transport() + ")";
+      if (env.rank == 0 && where.ranks_per_gpu > 1 && !hooks_.quiet)
+        fmt::print(stderr, "rig: {}\n", placement_);
                                                                     : dist::Backend::Gloo;
       }
       dev_ = where.device;
       placement_ = where.describe(env.local_world);
-      if (env.rank == 0 && where.ranks_per_gpu > 1 && !hooks_.quiet)
-        fmt::print(stderr, "rig: {}\n", placement_);
       dist::CommOptions co;
       co.timeout = dist::Millis(int64_t(cfg_.dist.timeout_s * 1000));
       group_ = dist::init_group(env, where, co);

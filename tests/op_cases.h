@@ -32,6 +32,7 @@ inline const std::vector<OpCase>& op_cases() {
     add_attention_cases(v);
     add_attention_decode_cases(v);
     add_loss_cases(v);
+    add_argmax_cases(v);  // last: the cases above keep their positions (and seeds)
     return v;
   }();
   return cs;

@@ -257,4 +257,71 @@ inline void add_attention_decode_cases(std::vector<OpCase>& cs) {
   }
 }
 
+// Generation's greedy pick, in plain loops: the first index of the largest non-NaN value among
+// the first `limit` of each row (0 when there is none).
+inline Tensors argmax_reference(const Tensors& t) {
+  const Tensor& x = t.at("x");
+  const int64_t rows = x.dim(0), V = x.dim(1), limit = int64_t(values(t.at("limit"))[0]);
+  const std::vector<double> xv = values(x);
+  std::vector<int64_t> out(size_t(rows), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    double best = -INFINITY;
+    bool any = false;
+    for (int64_t i = 0; i < limit; ++i) {
+      const double v = xv[size_t(r * V + i)];
+      if (std::isnan(v) || (any && !(v > best))) continue;
+      best = v;
+      any = true;
+      out[size_t(r)] = i;
+    }
+  }
+  return Tensors{{"out", ints(out, {rows})}};
+}
+
+inline void add_argmax_cases(std::vector<OpCase>& cs) {
+  struct A {
+    int64_t rows, V, limit;
+    int nans;      // NaN written over this many values of each row (the row's first one included)
+    bool ties;     // the row's values rounded to a few levels, so the largest repeats
+    bool all_nan;  // row 0: NaN but -inf at limit - 1 (picked); row 1: all NaN (0)
+  };
+  // A single logit; one row of a large vocabulary cut to the tokenizer's (as generate does);
+  // several rows at sizes around the block's 1024 threads; NaN and -inf rows; repeated maxima.
+  const A shapes[] = {{1, 1, 1, 0, false, false},       {1, 128256, 128000, 0, false, false},
+                      {3, 1000, 1000, 0, false, false}, {5, 4097, 4095, 0, false, false},
+                      {2, 33, 33, 5, false, false},     {4, 2048, 1500, 0, true, false},
+                      {2, 1100, 1090, 0, false, true},  {1, 1023, 1023, 0, true, false}};
+  for (const A& s : shapes) {
+    OpCase c;
+    c.op = "argmax";
+    c.shape = fmt::format("rows={} V={} limit={}{}{}{}", s.rows, s.V, s.limit,
+                          s.nans ? fmt::format(" nan={}", s.nans) : "", s.ties ? " ties" : "",
+                          s.all_nan ? " all-nan" : "");
+    c.in = {{"x", {s.rows, s.V}}};
+    c.make = [s](Tensors& t, std::mt19937& g) {
+      t["limit"] = ints({s.limit}, {1});
+      Tensor& x = t.at("x");
+      for (int64_t r = 0; r < s.rows; ++r) {
+        float* row = x.f32() + r * s.V;
+        if (s.ties)  // a handful of levels: the largest appears many times
+          for (int64_t i = 0; i < s.V; ++i) row[i] = std::round(row[i] * 2.0f);
+        for (int k = 0; k < s.nans; ++k) row[k == 0 ? 0 : g() % uint32_t(s.V)] = NAN;
+        if (s.all_nan) {  // values past the limit are never read
+          std::fill(row, row + s.limit, NAN);
+          if (r == 0) row[s.limit - 1] = -INFINITY;
+        }
+      }
+    };
+    c.forward = [](const Tensors& t, const Ctx& x) {
+      const Tensor& in = t.at("x");
+      Tensor out = Tensor::empty({in.dim(0)}, DType::I64, x.dev);
+      ops::argmax(in, int64_t(values(t.at("limit"))[0]), out);
+      return Tensors{{"out", out}};
+    };
+    c.exact = {"out"};
+    c.reference = argmax_reference;
+    cs.push_back(c);
+  }
+}
+
 }  // namespace rig::test

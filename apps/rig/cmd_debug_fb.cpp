@@ -1,28 +1,37 @@
-// rig debug forward-backward: one float32 forward and backward, written as Hugging Face names
-// them, so a model port can be checked against transformers.
+// rig debug forward-backward: one forward and backward (float32 unless --dtype bf16), written as
+// Hugging Face names them, so a model port can be checked against transformers.
 #include "command.h"
+#include "device_flags.h"
 #include "rig/io/safetensors.h"
 #include "rig/model/llama.h"
+#include "rig/train/inference.h"
 
 namespace {
 
-int run(const std::string& model_dir, const std::string& adapter, const std::string& batch_path,
-        const std::string& out) {
-  auto m = rig::LlamaModel::load(model_dir);
-  if (!adapter.empty()) m->load_adapter(adapter);
-  auto batch_file = rig::SafeTensorsFile::open(batch_path);
+struct O {
+  std::string model, adapter, batch, out, device = "auto", dtype = "f32";
+};
+
+int run(const O& o) {
+  const rig::ComputeTarget target =
+      rig::resolve_compute(o.device, o.dtype, "debug forward-backward");
+  auto m = rig::LlamaModel::load(o.model);
+  if (!o.adapter.empty()) m->load_adapter(o.adapter);
+  auto batch_file = rig::SafeTensorsFile::open(o.batch);
   rig::TokenBatch b;
   for (const char* key : {"input_ids", "labels"}) {
-    if (!batch_file.has(key)) rig::bad_input("{}: missing tensor '{}'", batch_path, key);
+    if (!batch_file.has(key)) rig::bad_input("{}: missing tensor '{}'", o.batch, key);
     rig::Tensor t = batch_file.get(key);
     if (t.dtype() != rig::DType::I64 || t.ndim() != 2)
-      rig::bad_input("{}: '{}' must be int64 [B, T], found {} {}", batch_path, key,
+      rig::bad_input("{}: '{}' must be int64 [B, T], found {} {}", o.batch, key,
                      rig::dtype_name(t.dtype()), rig::shape_str(t.shape()));
     (std::string(key) == "input_ids" ? b.input_ids : b.labels) = t.clone(key);
   }
   if (b.labels.shape() != b.input_ids.shape())
-    rig::bad_input("{}: labels {} and input_ids {} differ in shape", batch_path,
+    rig::bad_input("{}: labels {} and input_ids {} differ in shape", o.batch,
                    rig::shape_str(b.labels.shape()), rig::shape_str(b.input_ids.shape()));
+  // The trainable parameters keep their float32 values and get float32 gradients on any target.
+  rig::place_for_inference(*m, target, /*keep_trainable=*/true);
   m->zero_grad();
   rig::Tensor logits;
   rig::StepOptions opt;
@@ -32,24 +41,30 @@ int run(const std::string& model_dir, const std::string& adapter, const std::str
   outs.emplace_back("loss", rig::Tensor::from_f32({float(r.loss())}, {1}));
   outs.emplace_back("logits", logits);
   for (auto& p : m->params())
-    if (p.grad.defined()) outs.emplace_back("grad." + p.name, p.grad);
-  rig::save_safetensors(out, outs);
-  fmt::print("loss {:.6f} over {} tokens; wrote {} tensors to {}\n", r.loss(), r.tokens, outs.size(), out);
+    if (p.grad.defined())
+      outs.emplace_back("grad." + p.name, p.grad.to(rig::Device::cpu(), p.name));
+  rig::save_safetensors(o.out, outs);
+  fmt::print("loss {:.6f} over {} tokens; wrote {} tensors to {} (computed on {})\n", r.loss(),
+             r.tokens, outs.size(), o.out, target.str());
   return 0;
 }
 
-rig::cli::Registrar reg("debug forward-backward",
-                        "One float32 forward and backward; writes loss, logits and gradients",
-                        [](CLI::App& app) {
-                          struct O {
-                            std::string model, adapter, batch, out;
-                          };
-                          auto o = std::make_shared<O>();
-                          app.add_option("--model", o->model, "Hugging Face model folder")->required();
-                          app.add_option("--adapter", o->adapter, "PEFT LoRA adapter folder");
-                          app.add_option("--batch", o->batch, "safetensors with input_ids, labels")->required();
-                          app.add_option("--out", o->out, "output safetensors file")->required();
-                          return [o] { return run(o->model, o->adapter, o->batch, o->out); };
-                        });
+rig::cli::Registrar reg(
+    "debug forward-backward",
+    "One forward and backward (float32 by default); writes loss, logits and "
+    "gradients",
+    [](CLI::App& app) {
+      auto o = std::make_shared<O>();
+      app.add_option("--model", o->model, "Hugging Face model folder")->required();
+      app.add_option("--adapter", o->adapter, "PEFT LoRA adapter folder");
+      app.add_option("--batch", o->batch, "safetensors with input_ids, labels")->required();
+      app.add_option("--out", o->out, "output safetensors file")->required();
+      rig::cli::add_device_flag(app, o->device);
+      rig::cli::add_compute_dtype_flag(
+          app, o->dtype,
+          "default f32, the precision transformers is checked in; auto: bf16 on "
+          "CUDA, f32 on the CPU");
+      return [o] { return run(*o); };
+    });
 
 }  // namespace

@@ -78,6 +78,7 @@ std::map<std::string, Args> base_args(const std::string& tmp) {
       {"data prepare", {{"--data", "/nonexistent/data.jsonl"}, {"--out", tmp + "/cache"}}},
       {"data inspect", {{"", "/nonexistent/cache"}}},
       {"debug allreduce-check", {{"--numel", "16"}, {"--iters", "1"}, {"--timeout-ms", "20000"}}},
+      {"debug random-model", {{"--architecture", "no-such-model"}, {"--out", tmp + "/random"}}},
       {"eval", {{"--model", "/nonexistent/model"}, {"--data", "/nonexistent/data.jsonl"}}},
       {"generate", {{"--model", "/nonexistent/model"}, {"--prompt", "hi"}}},
       {"plan", {}},

@@ -50,6 +50,28 @@ int cuda_device_count() {
 #endif
 }
 
+Device resolve_device(std::string_view spec, std::string_view what) {
+  if (spec == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
+  Device d;
+  try {
+    d = Device::parse(spec);
+  } catch (const InputError&) {
+    bad_input("{}: device '{}' is not one of auto, cpu, cuda, cuda:N", what, spec);
+  }
+  if (d.is_cpu()) return d;
+#ifdef RIG_WITH_CUDA
+  if (!cuda_available())
+    bad_input("{}: device '{}' requested, but no CUDA GPU is visible", what, spec);
+  const int n = cuda_device_count();
+  if (d.index >= n)
+    bad_input("{}: device '{}' requested, but only {} CUDA GPU{} visible (cuda:0{})", what, spec, n,
+              n == 1 ? " is" : "s are", n > 1 ? fmt::format(" to cuda:{}", n - 1) : "");
+#else
+  bad_input("{}: device '{}' requested, but this rig was built without CUDA", what, spec);
+#endif
+  return d;
+}
+
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n) {
   if (n == 0) return;
   if (dst_dev.is_cpu() && src_dev.is_cpu()) {

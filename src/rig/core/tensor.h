@@ -31,6 +31,11 @@ struct Device {
 
 Allocator& allocator_for(Device d);
 bool cuda_available();  // false in a build without CUDA or on a machine without a GPU
+// The device a command line or a config names: "auto", "cpu", "cuda", "cuda:N" ("gpu" as
+// "cuda"). auto is cuda:0 when a GPU is visible, else the CPU. A CUDA device that cannot be had
+// (a build without CUDA, no GPU visible, an index past the visible GPUs) throws InputError
+// "{what}: device '{spec}' requested, but {why}", before any work.
+Device resolve_device(std::string_view spec, std::string_view what);
 // Copies n bytes between any two devices (synchronously).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n);
 

@@ -372,18 +372,52 @@ void LlamaModel::save_adapter(const std::string& dir) const {
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
 }
 
-void LlamaModel::merge_lora() {
+void LlamaModel::merge_lora(std::optional<Device> compute) {
   RIG_CHECK(lora_, "merge_lora: no LoRA attached");
   RIG_CHECK(act_ == DType::F32, "merge_lora needs float32 weights");
-  dequantize_weights();  // a QLoRA base: B·A·scale goes onto the dequantized weights
-  for (auto& L : layers_)
-    for (auto& lin : L->proj) {
-      if (lin.lora_a < 0) continue;
-      Tensor& w = params_[size_t(lin.w)].value;
-      ops::gemm(params_[size_t(lin.lora_b)].value, false, params_[size_t(lin.lora_a)].value, false, w,
-                lin.lora_scale, 1.0f);
-      lin.lora_a = lin.lora_b = -1;
-    }
+  const Device on = compute.value_or(dev_);
+  if (on == dev_) {
+    dequantize_weights();  // a QLoRA base: B·A·scale goes onto the dequantized weights
+    for (auto& L : layers_)
+      for (auto& lin : L->proj) {
+        if (lin.lora_a < 0) continue;
+        Tensor& w = params_[size_t(lin.w)].value;
+        ops::gemm(params_[size_t(lin.lora_b)].value, false, params_[size_t(lin.lora_a)].value,
+                  false, w, lin.lora_scale, 1.0f);
+        lin.lora_a = lin.lora_b = -1;
+      }
+  } else {
+    // Each linear weight that changes travels once each way: a 4-bit one is decoded on `on`
+    // (bit for bit the CPU's decoding), the product is added there, and the float32 result
+    // comes back. Only one weight and its LoRA pair are on `on` at a time.
+    for (auto& L : layers_)
+      for (auto& lin : L->proj) {
+        Param& p = params_[size_t(lin.w)];
+        if (!p.quant && lin.lora_a < 0) continue;
+        Tensor w;
+        if (p.quant) {
+          const quant::QuantizedWeight q = p.quant->to(on);
+          w = Tensor::empty(q.shape, DType::F32, on, "dequantized weight");
+          quant::dequantize_4bit(q, w);
+        } else {
+          w = p.value.to(on, p.name);
+        }
+        if (lin.lora_a >= 0) {
+          const Tensor a = params_[size_t(lin.lora_a)].value.to(on, "lora_A"),
+                       b = params_[size_t(lin.lora_b)].value.to(on, "lora_B");
+          ops::gemm(b, false, a, false, w, lin.lora_scale, 1.0f);
+          lin.lora_a = lin.lora_b = -1;
+        }
+        if (p.quant) {
+          p.value = w.to(dev_, p.name);
+          p.quant.reset();
+          p.compute_operand = true;
+        } else {
+          p.value.copy_from(w);
+        }
+      }
+    dequantize_weights();  // 4-bit weights outside the linear layers, if any (none today)
+  }
   std::erase_if(params_, [](const Param& p) { return p.name.find(".lora_") != std::string::npos; });
   for (auto& p : params_) p.trainable = true;
   lora_.reset();

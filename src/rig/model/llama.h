@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -140,7 +141,10 @@ class LlamaModel {
   void load_adapter(const std::string& dir);
   void save_adapter(const std::string& dir) const;
   // Folds B·A·scale into the base weights and removes LoRA (4-bit weights are dequantized first).
-  void merge_lora();
+  // With `compute` set to another device (a model on the CPU, a GPU to merge on), each 4-bit
+  // weight is dequantized and each product runs there, one weight at a time, and the result comes
+  // back; the model stays where it is (float32), so the device holds one weight at a time.
+  void merge_lora(std::optional<Device> compute = std::nullopt);
 
   // Quantizes every decoder linear weight that is not yet (on the host, one at a time) and
   // freezes it.
@@ -176,12 +180,21 @@ class LlamaModel {
   struct KVCache {
     std::vector<Tensor> k, v;  // per layer [max_len, kv_dim], on the model's device, compute dtype
     int64_t len = 0;           // rows in use
+    // Made once with the cache, on its device, so a decode step copies nothing to the device:
+    // the positions 0..max_len-1 (int64), the last row's logits [1, V] (float32) and the greedy
+    // pick [1] (int64) that the next decode_greedy step feeds back in.
+    Tensor positions, logits, next;
   };
   // Make the cache after to_device and set_compute_dtype: it takes the model's device and dtype.
   KVCache new_cache(int64_t max_len) const;
   // Feeds tokens (appending to the cache) and returns the logits of the last one [V] (float32,
   // host). Several tokens (a prompt) run as one batch of rows through every layer.
   std::vector<float> decode(KVCache& cache, const std::vector<int64_t>& tokens);
+  // Greedy decoding: feeds `tokens` (or, when empty, the id the previous decode_greedy call picked,
+  // which is still on the device) and returns the argmax of the last row's logits over ids below
+  // `limit` (0: the whole vocabulary). The pick runs where the model is and only the id comes
+  // back: on a GPU one 8-byte copy (the step's only synchronisation) instead of the logits.
+  int64_t decode_greedy(KVCache& cache, const std::vector<int64_t>& tokens, int64_t limit = 0);
 
   // Writes a Hugging Face model folder (config.json + model.safetensors, or shards past
   // max_shard_bytes with an index), atomically per file. 4-bit weights are written in
@@ -204,6 +217,9 @@ class LlamaModel {
   void build(const ModelConfig& cfg, const std::function<bool(const std::string&)>& four_bit = {});
   void register_param(const std::string& name, Tensor t, bool no_decay, bool compute_operand);
   Tensor act(const Shape& s, const char* what) const;  // an activation in the compute dtype
+  // One decode step on the device: ids [n] int64 on the model's device; leaves the last row's
+  // logits in cache.logits.
+  void decode_rows(KVCache& cache, const Tensor& ids);
   Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);

@@ -1,6 +1,7 @@
 // Held-out evaluation and generation: the loss over held-out batches, and greedy or sampled
 // generation with exact match against the trained tokens (shared by rig train, eval, generate).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <random>
 
@@ -62,22 +63,52 @@ int32_t sample_token(const std::vector<float>& logits, float temperature, float 
 }
 
 std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
-                              const GenerateOptions& opt) {
+                              const GenerateOptions& opt, GenerateStats* stats) {
   RIG_CHECK(!prompt.empty(), "generate needs a non-empty prompt");
   check_generate_options(opt);
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  const auto t0 = Clock::now();
+  Clock::time_point t1;
   auto cache = model.new_cache(int64_t(prompt.size()) + opt.max_new_tokens + 1);
-  std::vector<float> logits =
-      model.decode(cache, std::vector<int64_t>(prompt.begin(), prompt.end()));
-  const size_t limit =
-      opt.vocab_limit > 0 ? std::min(logits.size(), size_t(opt.vocab_limit)) : logits.size();
-  std::mt19937_64 rng(opt.seed);
+  const std::vector<int64_t> feed(prompt.begin(), prompt.end());
   std::vector<int32_t> out;
-  for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
-    logits.resize(limit);
-    const int32_t next = sample_token(logits, opt.temperature, opt.top_p, rng);
-    out.push_back(next);
-    if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) break;
-    logits = model.decode(cache, {next});
+  auto stop = [&](int32_t id) {
+    return std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end();
+  };
+  if (opt.temperature <= 0 && model.device().is_cuda()) {
+    // The argmax on the device over the ids below the limit (std::max_element's pick: the first
+    // largest); each step feeds the previous pick from the device.
+    const int64_t limit = opt.vocab_limit > 0 ? opt.vocab_limit : 0;
+    for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
+      const int32_t next = int32_t(t == 0 ? model.decode_greedy(cache, feed, limit)
+                                          : model.decode_greedy(cache, {}, limit));
+      if (t == 0) t1 = Clock::now();
+      out.push_back(next);
+      if (stop(next)) break;
+    }
+  } else {
+    std::vector<float> logits = model.decode(cache, feed);
+    t1 = Clock::now();
+    const size_t limit =
+        opt.vocab_limit > 0 ? std::min(logits.size(), size_t(opt.vocab_limit)) : logits.size();
+    std::mt19937_64 rng(opt.seed);
+    for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
+      logits.resize(limit);
+      const int32_t next = sample_token(logits, opt.temperature, opt.top_p, rng);
+      out.push_back(next);
+      if (stop(next) || t + 1 == opt.max_new_tokens) break;  // no step for a token never read
+      logits = model.decode(cache, {next});
+    }
+  }
+  if (stats) {
+    stats->prompt_tokens = int64_t(prompt.size());
+    stats->new_tokens = int64_t(out.size());
+    if (out.empty()) t1 = Clock::now();  // --max-new-tokens 0: the prompt's pass alone
+    stats->prefill_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    stats->decode_ms = ms_since(t1);
   }
   return out;
 }

@@ -73,8 +73,21 @@ struct GenerateOptions {
   // vocabulary past the tokenizer's; those rows are never valid output.
   int64_t vocab_limit = 0;
 };
+// What one generate() call measured (rig generate --stats). The prompt runs as one pass; its
+// time counts until the first new token is known, so prefill_ms is the time to the first token
+// and decode_ms covers the new_tokens - 1 that follow, one decode step each.
+struct GenerateStats {
+  int64_t prompt_tokens = 0, new_tokens = 0;
+  double prefill_ms = 0, decode_ms = 0;
+  double decode_tokens_per_s() const {
+    return new_tokens > 1 && decode_ms > 0 ? double(new_tokens - 1) * 1000.0 / decode_ms : 0.0;
+  }
+};
+// Greedy (temperature 0) on a GPU picks each token there (LlamaModel::decode_greedy): a step
+// reads back one id, and the id feeds the next step without a copy to the device. Sampling, and
+// the CPU, read the last row's logits back and pick on the host (sample_token).
 std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
-                              const GenerateOptions& opt);
+                              const GenerateOptions& opt, GenerateStats* stats = nullptr);
 // InputError naming the flag when a setting is out of range: temperature finite and >= 0, top_p
 // in (0, 1], max_new_tokens in [0, 1e6].
 void check_generate_options(const GenerateOptions& opt);

@@ -188,15 +188,7 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainHooks& hooks) : cfg_(cfg), h
 Trainer::~Trainer() = default;
 
 void Trainer::setup_device() {
-  dev_ = cfg_.device == "auto" ? (cuda_available() ? Device::cuda(0) : Device::cpu())
-                               : Device::parse(cfg_.device);
-  if (dev_.is_cuda() && !cuda_available())
-    bad_input("{}: device '{}' requested, but {}", cfg_.source, cfg_.device,
-#ifdef RIG_WITH_CUDA
-              "no CUDA GPU is visible");
-#else
-              "this rig was built without CUDA");
-#endif
+  dev_ = resolve_device(cfg_.device, cfg_.source);  // shared with rig eval, generate, merge
   precision_ = cfg_.resolved_precision(dev_.is_cuda());
   if (precision_ == "bf16" && !dev_.is_cuda())
     bad_input("{}: 'precision: bf16' needs a CUDA device; the CPU backend computes in fp32",

@@ -1,4 +1,5 @@
-// Attention of new rows against a key/value cache (op_table.inc: attention_decode), float32.
+// Generation's ops (op_table.inc): attention of new rows against a key/value cache
+// (attention_decode, float32) and the greedy pick of a row's largest logit (argmax).
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -52,6 +53,35 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
           for (int64_t x = 0; x < D; ++x) o[x] += p * vj[x];
         }
       }
+  }
+}
+
+void argmax(const Tensor& x, int64_t limit, Tensor& out) {
+  RIG_CHECK(x.ndim() == 2 && x.device().is_cpu() && out.device().is_cpu(),
+            "argmax expects x [rows, V] on the CPU, got {} on {}", shape_str(x.shape()),
+            x.device().str());
+  RIG_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::BF16, "argmax: x is {}, not F32 or BF16",
+            dtype_name(x.dtype()));
+  const int64_t rows = x.dim(0), V = x.dim(1);
+  RIG_CHECK(limit >= 1 && limit <= V, "argmax: limit {} outside [1, {}]", limit, V);
+  RIG_CHECK(out.dtype() == DType::I64 && out.numel() == rows,
+            "argmax: out must be int64 with {} elements, got {} {}", rows, dtype_name(out.dtype()),
+            shape_str(out.shape()));
+  const bool bf16 = x.dtype() == DType::BF16;
+  const float* xf = bf16 ? nullptr : x.f32();
+  const uint16_t* xb = x.data<uint16_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t best = -1;
+    float bv = 0;
+    for (int64_t i = 0; i < limit; ++i) {
+      const float v = bf16 ? bf16_to_f32(xb[r * V + i]) : xf[r * V + i];
+      if (std::isnan(v)) continue;
+      if (best < 0 || v > bv) {
+        best = i;
+        bv = v;
+      }
+    }
+    out.data<int64_t>()[r] = best < 0 ? 0 : best;
   }
 }
 

@@ -1,4 +1,5 @@
-// Attention of new rows against a key/value cache (op_table.inc: attention_decode), fp32 math.
+// Attention of new rows against a key/value cache (op_table.inc: attention_decode), fp32 math,
+// and generation's greedy pick (argmax) at the end of the file.
 //
 // One block of kWarps warps per (row, query head). Each warp takes every kWarps-th visible key
 // and keeps its own online softmax: the 32 lanes split the head dimension (lane x holds dims
@@ -103,7 +104,68 @@ cudaError_t launch_for_dim(const void* q, const void* kc, const void* vc, void* 
   return cudaErrorInvalidValue;
 }
 
+// argmax: one block per row. Each thread walks its strided share of the row in increasing index,
+// so a strictly larger value is the only one that replaces its pick (the first index among equal
+// values stays); the warp and then the block merge (value, index) pairs, ties to the smaller
+// index. NaN is skipped; index -1 means "nothing seen yet".
+constexpr int kArgmaxThreads = 1024;
+
+__device__ __forceinline__ void argmax_merge(float& v, long long& i, float ov, long long oi) {
+  if (oi < 0) return;
+  if (i < 0 || ov > v || (ov == v && oi < i)) {
+    v = ov;
+    i = oi;
+  }
+}
+
+template <typename E>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const E* x, int64_t V, int64_t limit, long long* out) {
+  __shared__ float sv[kArgmaxThreads / 32];
+  __shared__ long long si[kArgmaxThreads / 32];
+  const E* row = x + int64_t(blockIdx.x) * V;
+  float v = 0.0f;
+  long long idx = -1;
+  for (int64_t j = threadIdx.x; j < limit; j += blockDim.x) {
+    const float y = ld(row, j);
+    if (isnan(y)) continue;
+    if (idx < 0 || y > v) {
+      v = y;
+      idx = j;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_down_sync(0xffffffffu, v, o);
+    const long long oi = __shfl_down_sync(0xffffffffu, idx, o);
+    argmax_merge(v, idx, ov, oi);
+  }
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  if (lane == 0) {
+    sv[w] = v;
+    si[w] = idx;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int k = 1; k < warps; ++k) argmax_merge(v, idx, sv[k], si[k]);
+  out[blockIdx.x] = idx < 0 ? 0 : idx;
+}
+
 }  // namespace
+
+cudaError_t argmax_rows(T t, const void* x, int64_t rows, int64_t V, int64_t limit, int64_t* out,
+                        cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  if (rows > 0x7fffffffLL || limit < 1 || limit > V) return cudaErrorInvalidValue;
+  long long* o = reinterpret_cast<long long*>(out);
+  if (t == T::F32)
+    argmax_kernel<float><<<unsigned(rows), kArgmaxThreads, 0, s>>>(static_cast<const float*>(x), V,
+                                                                   limit, o);
+  else
+    argmax_kernel<bf16><<<unsigned(rows), kArgmaxThreads, 0, s>>>(static_cast<const bf16*>(x), V,
+                                                                  limit, o);
+  return cudaGetLastError();
+}
 
 int attention_decode_max_head_dim() {
   return 32 * kMaxNT;

@@ -12,7 +12,7 @@
 //  - Parameters and their gradients: rmsnorm w/dw, bias/dbias, embedding table/dtable F32 or BF16
 //    (F32 recommended for gradients: the reductions accumulate in float32 and round once).
 //  - Reduction outputs are F32: rmsnorm rstd [rows], attention lse [B,Hq,T].
-//  - rope cos/sin tables F32 or BF16; pos, ids, targets, seg I64.
+//  - rope cos/sin tables F32 or BF16; pos, ids, targets, seg I64; argmax x F32 or BF16, out I64.
 //  - adamw_step(_list): param and grad F32 or BF16, m and v F32; the list's copies BF16.
 // dropout draws its mask from a counter-based hash of (seed, element index), so it is
 // deterministic and independent of the launch shape, but it differs from the CPU backend's

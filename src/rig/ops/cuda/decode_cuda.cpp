@@ -1,5 +1,6 @@
-// Host wrapper of the key/value-cache attention kernel (attention_decode.cu): shape, device and
-// dtype checks that name the argument, then one launch on the device's stream.
+// Host wrappers of generation's kernels (attention_decode.cu: the key/value-cache attention and
+// the greedy argmax): shape, device and dtype checks that name the argument, then one launch on
+// the device's stream.
 #include <utility>
 
 #include "rig/ops/cuda/attention_decode.h"
@@ -35,6 +36,22 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   const k::DecodeDims d{n, past, int(Hq), int(Hk), int(D)};
   check_status(k::attention_decode_fwd(t, q.raw(), k_cache.raw(), v_cache.raw(), out.raw(), d,
                                        stream_for(dev)),
+               op);
+}
+
+void argmax(const Tensor& x, int64_t limit, Tensor& out) {
+  const char* op = "argmax";
+  const int dev = x.device().index;
+  check_on(out, dev, op, "out");
+  RIG_CHECK(x.ndim() == 2, "{}: x {} is not [rows, V]", op, shape_str(x.shape()));
+  const int64_t rows = x.dim(0), V = x.dim(1);
+  RIG_CHECK(limit >= 1 && limit <= V, "{}: limit {} outside [1, {}]", op, limit, V);
+  RIG_CHECK(out.dtype() == DType::I64 && out.numel() == rows,
+            "{}: out must be int64 with {} elements, got {} {}", op, rows, dtype_name(out.dtype()),
+            shape_str(out.shape()));
+  const k::T t = ktype(x, op, "x");
+  DeviceGuard g(dev);
+  check_status(k::argmax_rows(t, x.raw(), rows, V, limit, out.data<int64_t>(), stream_for(dev)),
                op);
 }
 

@@ -36,13 +36,15 @@ int run_prepare(const PrepareArgs& a) {
   if (a.as_json) {
     std::cout << json{{"path", r.path}, {"rebuilt", r.rebuilt}, {"reason", r.reason},
                       {"records", s.records}, {"samples", s.samples}, {"invalid", s.invalid},
-                      {"tokens", s.tokens}, {"trained_tokens", s.trained_tokens}}
+                      {"tokens", s.tokens}, {"trained_tokens", s.trained_tokens},
+                      {"chat_template", s.chat_template}}
                      .dump()
               << "\n";
   } else {
     fmt::print("{}: {} ({})\n", r.path, r.rebuilt ? "written" : "up to date, not rebuilt", r.reason);
     fmt::print("{} samples from {} records, {} tokens ({} trained)\n", s.samples, s.records,
                s.tokens, s.trained_tokens);
+    if (!s.chat_template.empty()) fmt::print("chat template: {}\n", s.chat_template);
     if (s.invalid)
       fmt::print("skipped {} invalid record(s){}{}\n", s.invalid, s.first_invalid.empty() ? "" : "; first: ",
                  s.first_invalid);
@@ -53,6 +55,10 @@ int run_prepare(const PrepareArgs& a) {
 int run_inspect(const std::string& dir, const std::string& tok_path, int n) {
   auto d = rig::TokenDataset::open(dir);
   fmt::print("{} samples, {} tokens\n{}\n", d.size(), d.num_tokens(), d.metadata());
+  // The template chat records were rendered with (the model's own file, llama3 or chatml).
+  if (auto m = json::parse(d.metadata(), nullptr, false);
+      m.is_object() && m.contains("chat_template") && m["chat_template"].is_string())
+    fmt::print("chat template: {}\n", m["chat_template"].get<std::string>());
   if (tok_path.empty()) return 0;
   auto tok = rig::Tokenizer::load(tok_path);
   for (size_t i = 0; i < d.size() && int(i) < n; ++i) {

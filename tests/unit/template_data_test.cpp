@@ -202,6 +202,13 @@ TEST(TemplateData, PreparedCacheRecordsTheTemplateAndNoticesItsEdits) {
   EXPECT_NE(insp.out.find("\"chat_template\":\"" + dir + "/tokenizer_config.json\""),
             std::string::npos)
       << insp.out;
+  EXPECT_NE(insp.out.find("\nchat template: " + dir + "/tokenizer_config.json\n"), std::string::npos)
+      << insp.out;
+  auto prep = test::run_rig("data prepare --force --data " + data + " --tokenizer " + o.tokenizer +
+                            " --out " + dir + "/cache2");
+  EXPECT_EQ(prep.code, 0) << prep.out;
+  EXPECT_NE(prep.out.find("chat template: " + dir + "/tokenizer_config.json"), std::string::npos)
+      << prep.out;
   EXPECT_FALSE(prepare_dataset(o).rebuilt);
   // Editing the template makes the cache stale.
   write(dir, "chat_template.jinja", "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}");

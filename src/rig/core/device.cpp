@@ -114,18 +114,6 @@ void unpin_host_range(void* p) {
 #endif
 }
 
-void Tensor::zero_() {
-  if (!data_) return;
-  if (device_.is_cpu()) {
-    std::memset(data_, 0, nbytes());
-    return;
-  }
-#ifdef RIG_WITH_CUDA
-  cuda_memset_zero(data_, nbytes(), device_.index);
-#endif
-}
-
-}  // namespace rig
 #ifdef RIG_WITH_CUDA
 bool ipc_alloc(int device, size_t bytes, void** p, char handle[64]) {
   return cuda_available() && cuda_ipc_alloc(device, bytes, p, handle);
@@ -142,3 +130,15 @@ void ipc_close(int, void*) {}
 void device_stream_sync(int) {}
 #endif
 
+void Tensor::zero_() {
+  if (!data_) return;
+  if (device_.is_cpu()) {
+    std::memset(data_, 0, nbytes());
+    return;
+  }
+#ifdef RIG_WITH_CUDA
+  cuda_memset_zero(data_, nbytes(), device_.index);
+#endif
+}
+
+}  // namespace rig

@@ -81,12 +81,12 @@ struct StepHooks {
   virtual void before(int group, Phase phase) = 0;
   // After their last use; Backward: the group's gradients are final for this micro-batch.
   virtual void after(int group, Phase phase) = 0;
-};
   // Within group -1: the input embedding (after its lookup) or the head (final norm and lm_head,
   // after the loss and the final norm's backward) is not read again in this step, so a strategy
   // may free its gathered copy for the layers. Gradients are still final only at after(-1).
   enum OuterPart { Embedding, Head };
   virtual void outer_done(OuterPart) {}
+};
 
 struct StepOptions {
   bool backward = true;

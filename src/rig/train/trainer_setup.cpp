@@ -212,9 +212,6 @@ void Trainer::setup_ranks() {
         where.device = dev_;
         where.ranks_per_gpu = env.local_world;
         where.backend = env.local_world == 1 && dist::nccl_built() ? dist::Backend::Nccl
-      if (!comm_->transport().empty()) placement_ += " (data through " + comm_->transport() + ")";
-      if (env.rank == 0 && where.ranks_per_gpu > 1 && !hooks_.quiet)
-        fmt::print(stderr, "rig: {}\n", placement_);
                                                                     : dist::Backend::Gloo;
       }
       dev_ = where.device;
@@ -223,6 +220,9 @@ void Trainer::setup_ranks() {
       co.timeout = dist::Millis(int64_t(cfg_.dist.timeout_s * 1000));
       group_ = dist::init_group(env, where, co);
       comm_ = group_->comm.get();
+      if (!comm_->transport().empty()) placement_ += " (data through " + comm_->transport() + ")";
+      if (env.rank == 0 && where.ranks_per_gpu > 1 && !hooks_.quiet)
+        fmt::print(stderr, "rig: {}\n", placement_);
     }
   }
   rank_ = comm_ ? comm_->rank() : 0;

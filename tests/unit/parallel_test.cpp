@@ -135,6 +135,12 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
           check(!whole("lm_head.weight") && !whole("model.norm.weight"), "head kept after the loss");
           sh.after(-1, StepHooks::Forward);
           check(m->quantized_bytes() == 0, "4-bit tensors kept after their layer");
+          // The final output of a LoRA run: the adapters gathered, the 4-bit base left sharded.
+          sh.gather_all(/*trainable_only=*/true);
+          check(m->quantized_bytes() == 0, "4-bit tensors gathered for the adapter's output");
+          for (const auto& p : m->params())
+            if (p.trainable) check(p.value.defined(), p.name + " not gathered for the output");
+          sh.release_all();
           sh.gather_all();
           check(stored(*m) == ref, "gathered 4-bit tensors differ from the unsharded model's");
           sh.release_all();

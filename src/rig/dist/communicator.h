@@ -53,6 +53,9 @@ class Communicator {
   // How the data of staged collectives moves between ranks sharing a GPU ("CUDA IPC device
   // buffers", "shared host memory", "Gloo sockets"); empty for the others.
   virtual std::string transport() const { return {}; }
+  // Device memory this communicator holds outside the caching allocator (the CUDA IPC staging
+  // buffer), which a run's max_memory must leave room for.
+  virtual size_t device_bytes() const { return 0; }
 
   // In place: every rank ends with op over all ranks' `t`.
   virtual WorkPtr all_reduce_async(const Tensor& t, ReduceOp op = ReduceOp::Sum) = 0;

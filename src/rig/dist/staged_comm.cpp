@@ -246,6 +246,7 @@ class StagedComm : public Communicator {
   std::string transport() const override {
     return ipc_ ? "CUDA IPC device buffers" : shm_ ? "shared host memory" : "Gloo sockets";
   }
+  size_t device_bytes() const override { return ipc_ ? IpcArena::kChunk : 0; }
   int rank() const override { return host_->rank(); }
   int world() const override { return host_->world(); }
   Backend backend() const override { return host_->backend(); }

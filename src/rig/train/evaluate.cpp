@@ -114,7 +114,7 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
 }
 
 EvalResult evaluate(LlamaModel& model, const TokenDataset& data, int64_t seq_len,
-                    int64_t micro_batch, int64_t max_batches) {
+                    int64_t micro_batch, int64_t max_batches, StepHooks* hooks) {
   EvalResult r;
   auto shared = std::shared_ptr<const TokenDataset>(&data, [](const TokenDataset*) {});
   LoaderOptions lo;
@@ -127,6 +127,7 @@ EvalResult evaluate(LlamaModel& model, const TokenDataset& data, int64_t seq_len
   double loss_sum = 0;
   StepOptions so;
   so.backward = false;
+  so.hooks = hooks;
   for (int64_t i = 0; i < batches && (max_batches <= 0 || i < max_batches); ++i) {
     auto res = model.step(to_token_batch(loader.next()), so);
     loss_sum += res.loss_sum;

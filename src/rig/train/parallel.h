@@ -114,8 +114,10 @@ class Sharded : public StepHooks {
   void outer_done(OuterPart part) override;
   // Waits for the gradient reduce-scatters still in flight (before clipping).
   void finish();
-  // Every parameter full on every rank (evaluation, generation, the final output) and back.
-  void gather_all();
+  // Every parameter full on every rank (generation, the final output) and back. With
+  // `trainable_only`, the trainable units alone (a LoRA adapter's output): the frozen base stays
+  // sharded, as it must when it is larger than one card.
+  void gather_all(bool trainable_only = false);
   void release_all();
   bool gathered() const { return pinned_; }
 

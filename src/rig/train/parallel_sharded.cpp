@@ -450,9 +450,10 @@ void Sharded::outer_done(OuterPart part) {
     if (!units_[k].trainable && units_[k].embedding == (part == Embedding)) release(*state_[k]);
 }
 
-void Sharded::gather_all() {
+void Sharded::gather_all(bool trainable_only) {
   finish();
-  for (auto& u : state_) gather(*u);
+  for (auto& u : state_)
+    if (!trainable_only || u->param >= 0) gather(*u);
   pinned_ = true;
   model_.bind_outer();  // evaluation and generation run without hooks
 }

@@ -56,8 +56,10 @@ struct EvalResult {
   double exact_match = -1;
   std::vector<std::string> samples;
 };
+// `hooks` as in training (sharded: each layer gathered for its forward and released after it, so a
+// model larger than one card is evaluated in the memory that trains it).
 EvalResult evaluate(LlamaModel& model, const TokenDataset& data, int64_t seq_len,
-                    int64_t micro_batch, int64_t max_batches = 0);
+                    int64_t micro_batch, int64_t max_batches = 0, StepHooks* hooks = nullptr);
 // Greedy-generates each sample's trained tokens from its prompt (the tokens before the first
 // trained one) and counts exact matches over the first `n` samples.
 EvalResult exact_match(LlamaModel& model, const TokenDataset& data, const Tokenizer& tok,

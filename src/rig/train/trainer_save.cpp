@@ -78,13 +78,15 @@ void Trainer::save(int64_t s) {
 }
 
 // Held-out loss, and when asked, exact match of greedily generated responses. Every rank
-// evaluates (sharded: on the gathered model); rank 0 reports.
+// evaluates; rank 0 reports. Sharded, the loss is computed layer by layer through the same hooks
+// as training (a base larger than one card never gathered whole); generation needs the whole
+// model on every rank.
 void Trainer::run_eval(int64_t s, bool final_eval) {
   if (!data_.eval) return;
-  const bool gather = shard_ && !shard_->gathered();
+  auto e = evaluate(*model_, *data_.eval, cfg_.sequence_len, cfg_.micro_batch_size,
+                    cfg_.eval.batches, shard_ && !shard_->gathered() ? shard_.get() : nullptr);
+  const bool gather = shard_ && !shard_->gathered() && cfg_.eval.generate > 0;
   if (gather) shard_->gather_all();
-  auto e =
-      evaluate(*model_, *data_.eval, cfg_.sequence_len, cfg_.micro_batch_size, cfg_.eval.batches);
   json extra = {{"eval_perplexity", std::exp(e.loss)}};
   std::string line = fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s,
                                  e.loss, std::exp(e.loss), e.tokens);
@@ -103,10 +105,11 @@ void Trainer::run_eval(int64_t s, bool final_eval) {
   result_.eval_loss = e.loss;
 }
 
-// The result, in the formats other tools load (sharded: gathered on every rank first).
+// The result, in the formats other tools load (sharded: what it holds gathered on every rank
+// first; a LoRA adapter's output is the adapter alone, so the frozen base stays sharded).
 void Trainer::write_final() {
-  if (shard_) shard_->gather_all();
   run_eval(step_, true);
+  if (shard_) shard_->gather_all(model_->has_lora());
   fs::path out = fs::path(run_) / "final";
   if (lead_) {
     if (model_->has_lora()) {

@@ -169,7 +169,14 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainHooks& hooks) : cfg_(cfg), h
   setup_device();
   setup_ranks();
   alloc_ = &allocator_for(dev_);
-  if (cfg_.max_memory) alloc_->set_budget(alloc_->in_use() + cfg_.max_memory);
+  if (cfg_.max_memory) {
+    // The cap counts what the communicator holds on the device outside the allocator too.
+    const size_t outside = comm_ ? comm_->device_bytes() : 0;
+    if (outside >= cfg_.max_memory)
+      bad_input("{}: max_memory {} bytes leaves nothing beside the {} bytes of collective buffers",
+                cfg_.source, cfg_.max_memory, outside);
+    alloc_->set_budget(alloc_->in_use() + cfg_.max_memory - outside);
+  }
   run_ = cfg_.output_dir;
   fs::create_directories(run_);
   // The faults to inject (every rank holds all of them, so the lead logs those aimed at others).

@@ -41,8 +41,10 @@ Tensors small_set() {
 }
 
 json state_for(int64_t step) {
-  return {{"optimizer_step", step}, {"rng", {{"seed", 42}, {"offset", step * 7}}},
-          {"data_position", {{"epoch", 0}, {"index", step * 16}}}, {"config_hash", "abc"}};
+  return {{"optimizer_step", step},
+          {"rng", {{"seed", 42}, {"offset", step * 7}}},
+          {"data_position", {{"epoch", 0}, {"index", step * 16}}},
+          {"config_hash", "abc"}};
 }
 
 bool has_problem(const rig::VerifyReport& r, const std::string& where, const std::string& what) {
@@ -154,9 +156,7 @@ TEST(Checkpoint, CorruptTrainerStateIsCaught) {
   std::string dir = rig::save_checkpoint(run, 3, small_set(), state_for(3));
   std::string st = rig::read_file(dir + "/trainer_state.json");
   st[st.find("42")] = '7';  // same size, different content
-  {
-    std::ofstream(dir + "/trainer_state.json", std::ios::binary) << st;
-  }
+  { std::ofstream(dir + "/trainer_state.json", std::ios::binary) << st; }
   rig::VerifyReport r = rig::verify_checkpoint(dir);
   EXPECT_TRUE(has_problem(r, "trainer_state.json", "checksum")) << r.to_text();
   EXPECT_THROW(rig::load_checkpoint(dir), rig::InputError);
@@ -264,12 +264,20 @@ TEST(Checkpoint, SigkillDuringWriteLeavesPreviousCheckpoint) {
     }
     _exit(3);
   }
-  // Wait until the child is inside its second save (step 3 being written), then kill it.
-  std::string tmp3 = run + "/checkpoints/.step-3.tmp";
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!fs::exists(tmp3) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Wait until the child is inside its second save (a file of step 3 being written), then kill
+  // it. Should the polling miss that window, step 3 done also ends the wait: the kill then lands
+  // in a later save, which the checks below cover as well.
+  const std::string tmp3 = run + "/checkpoints/.step-3.tmp";
+  auto writing = [&] {
+    std::error_code ec;
+    try {
+      for (const auto& f : fs::directory_iterator(tmp3, ec))
+        if (f.is_regular_file(ec)) return true;
+    } catch (const fs::filesystem_error&) {  // renamed or removed while listed
+    }
+    return fs::exists(run + "/checkpoints/step-3", ec);
+  };
+  EXPECT_TRUE(rig::test::wait_until(writing, 300));
   ASSERT_EQ(kill(pid, SIGKILL), 0);
   int st = 0;
   waitpid(pid, &st, 0);

@@ -157,17 +157,18 @@ TEST(DistGloo, RejectsWrongShapesAndGpuTensors) {
 }
 
 TEST(DistGloo, DeadPeerIsNamedQuickly) {
-  // Rank 2 of 3 leaves (unwinding, as a crash would) while the others all-reduce.
+  // Rank 2 of 3 leaves (unwinding, as a crash would) while the others all-reduce. "Quickly": the
+  // others learn it from the store (the message below), not from their timeout, which is set far
+  // away (10 minutes) so that no clock needs reading here.
   StoreServer server(0);
   std::vector<std::string> errs(3);
   std::vector<std::thread> ts;
-  auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < 3; r++)
     ts.emplace_back([&, r] {
       try {
-        auto store = std::make_shared<Store>("127.0.0.1", server.port(), r, 20s);
+        auto store = std::make_shared<Store>("127.0.0.1", server.port(), r, 600s);
         CommOptions o;
-        o.timeout = 20s;
+        o.timeout = 600s;
         auto comm = make_gloo(store, r, 3, o);
         auto t = Tensor::from_f32(std::vector<float>(100000, 1.0f), {100000});
         comm->all_reduce(t);
@@ -178,7 +179,6 @@ TEST(DistGloo, DeadPeerIsNamedQuickly) {
       }
     });
   for (auto& t : ts) t.join();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
   EXPECT_EQ(errs[2], "rank 2 crashes");
   for (int r = 0; r < 2; r++) {
     EXPECT_NE(errs[size_t(r)].find("rank 2 exited or lost its connection"), std::string::npos)
@@ -320,7 +320,8 @@ TEST(DistShm, EveryCollectiveMatchesTheClosedFormAtEverySize) {
           for (int q = 0; q < world; ++q) in.insert(in.end(), {float(q), float(r)});
           Tensor out = Tensor::empty({2}, DType::F32);
           c.reduce_scatter(Tensor::from_f32(in, {2 * world}), out, ReduceOp::Sum);
-          EXPECT_EQ(values(out), (std::vector<float>{float(r * world), float(world * (world - 1) / 2)}));
+          EXPECT_EQ(values(out),
+                    (std::vector<float>{float(r * world), float(world * (world - 1) / 2)}));
           c.barrier();
         },
         20s, true);

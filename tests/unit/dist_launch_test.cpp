@@ -46,11 +46,11 @@ TEST(DistLaunch, FourWorkersAllReduce) {
 }
 
 TEST(DistLaunch, KilledWorkerIsNamedByTheOthers) {
-  auto t0 = std::chrono::steady_clock::now();
+  // The others learn of the death from the store ("rank 1 exited", below), not from their
+  // collective timeout: that is 2 minutes, so the message alone shows it, with no clock read.
   auto r = test::run_rig(
       "debug allreduce-check --nproc-per-node 3 --numel 10000 --fail-rank 1 --fail-mode kill "
-      "--timeout-ms 20000");
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);  // well within the 20 s timeout
+      "--timeout-ms 120000");
   EXPECT_EQ(r.code, 128 + 9) << r.out;
   EXPECT_NE(r.out.find("rig launch: rank 1 (pid"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("was killed by signal 9"), std::string::npos) << r.out;
@@ -76,12 +76,11 @@ TEST(DistLaunch, WorkerThatFailsEarlyIsNamed) {
 }
 
 TEST(DistLaunch, HungWorkerIsNamedAfterTheTimeout) {
-  auto t0 = std::chrono::steady_clock::now();
+  // The hung rank sleeps for an hour: that the run ends at all is the launcher stopping it.
   auto r = test::run_rig(
       "debug allreduce-check --nproc-per-node 3 --numel 10000 --fail-rank 1 --fail-mode hang "
       "--timeout-ms 1500 "
       "--launch-grace-ms 6000");  // rank 0 keeps the store up to 5 s for the others
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
   EXPECT_NE(r.code, 0) << r.out;
   for (int k : {0, 2})
     EXPECT_NE(
@@ -94,17 +93,18 @@ TEST(DistLaunch, HungWorkerIsNamedAfterTheTimeout) {
 
 TEST(DistLaunch, SigtermIsForwardedToWorkers) {
   std::string dir = test::temp_dir("dist-sigterm");
-  std::string cmd = fmt::format(
-      "timeout --preserve-status -s TERM 2 {} debug allreduce-check --nproc-per-node 2 "
-      "--fail-rank 0 --fail-mode hang --timeout-ms 60000 > {}/out 2>&1; echo $? > {}/rc",
-      RIG_BINARY, dir, dir);
-  auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
-  std::ifstream rc(dir + "/rc"), out(dir + "/out");
-  int code = -1;
-  rc >> code;
-  std::string text((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+  // Rank 0 hangs at its second all-reduce and rank 1 waits in it (a 10-minute timeout): once
+  // rank 0 says so, both workers run, and the launcher gets SIGTERM then, not after a fixed time.
+  const pid_t pid = test::spawn_rig(
+      "debug allreduce-check --nproc-per-node 2 --fail-rank 0 --fail-mode hang --timeout-ms 600000",
+      dir + "/out");
+  ASSERT_GT(pid, 0);
+  const bool hanging = test::wait_for_text(dir + "/out", "rank 0: failing on purpose (hang)", 300);
+  kill(pid, SIGTERM);
+  // Forwarded, the workers end at once; not forwarded, the launcher would wait out the timeout.
+  const int code = test::wait_exit_within(pid, 300);
+  const std::string text = test::file_text(dir + "/out");
+  ASSERT_TRUE(hanging) << text;
   EXPECT_EQ(code, 128 + 15) << text;
   EXPECT_NE(text.find("passing it to 2 workers"), std::string::npos) << text;
 }

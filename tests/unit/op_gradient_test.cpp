@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <random>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "../op_cases.h"
@@ -145,18 +148,79 @@ TEST(OpHarnessComparison, CatchesWrongOutputs) {
   EXPECT_FALSE(compare(wrong, small, tolerance(DType::F32), &terms).failure.empty());
 }
 
-// Every case has a unique test name, and every op of the table that the harness can compare by
-// value has a case (the others are listed at the top of op_cases.h).
+// The ops of src/rig/ops/op_table.inc, read through its row macros (RIG_BACKEND rows are backend
+// functions behind RIG_OP_VIA rows, not ops): a row added there is in this list at once.
+const std::vector<std::string>& table_ops() {
+  static const std::vector<std::string> ops = {
+#define RIG_OP(ret, name, category, device_of, params, args) #name,
+#define RIG_OP_CUSTOM(ret, name, params) #name,
+#define RIG_OP_VIA(ret, name, category, device_of, params, backend_call) #name,
+#include "rig/ops/op_table.inc"
+  };
+  return ops;
+}
+
+// Rows the harness cannot compare by value (the top of op_cases.h says why), with their own tests.
+const std::map<std::string, std::string>& tested_elsewhere() {
+  static const std::map<std::string, std::string> m = {
+      {"cast", "bitwise: tests/gpu/op_harness_test.cpp, tests/unit/adamw_test.cpp"},
+      {"dropout", "its own mask on CUDA: tests/gpu/op_harness_test.cpp"},
+      {"adamw_step", "multi-step state: tests/unit/adamw_test.cpp, op_harness_adamw_test.cpp"},
+      {"adamw_step_list", "multi-step state: tests/unit/adamw_test.cpp, op_harness_adamw_test.cpp"},
+      {"sum_squares_list", "a list op: tests/gpu/op_harness_test.cpp"},
+      {"count_bad_values", "a list op: tests/unit/guard_units_test.cpp, tests/gpu/guard_test.cpp"},
+      {"hash64", "a list op: tests/unit/guard_units_test.cpp, tests/gpu/guard_test.cpp"},
+  };
+  return m;
+}
+
+// A case of op `S` with a backward covers the rows S, S_forward and S_backward; the backward of
+// add_bias is bias_backward.
+bool covered(const std::string& row, const std::map<std::string, bool>& cases) {
+  auto has = [&](const std::string& op, bool needs_backward) {
+    auto it = cases.find(op);
+    return it != cases.end() && (!needs_backward || it->second);
+  };
+  auto strip = [&](const std::string& suffix, std::string* stem) {
+    if (row.size() <= suffix.size() ||
+        row.compare(row.size() - suffix.size(), suffix.size(), suffix))
+      return false;
+    *stem = row.substr(0, row.size() - suffix.size());
+    return true;
+  };
+  std::string stem;
+  if (has(row, false)) return true;
+  if (strip("_forward", &stem) && has(stem, false)) return true;
+  if (strip("_backward", &stem) && has(stem, true)) return true;
+  return row == "bias_backward" && has("add_bias", true);
+}
+
+// Every case has a unique test name and names a row of the op table (or the stem of a
+// forward/backward pair), and every row of the table has a case or is listed in
+// tested_elsewhere(): a new op without a test fails here.
 TEST(OpHarnessComparison, CasesCoverTheTable) {
-  std::set<std::string> names, ops_seen;
+  const std::vector<std::string>& rows = table_ops();
+  ASSERT_GE(rows.size(), 20u) << "op_table.inc read no rows";
+  const std::set<std::string> row_set(rows.begin(), rows.end());
+  std::set<std::string> names;
+  std::map<std::string, bool> cases;  // op -> some case of it has a backward
   for (size_t i = 0; i < op_cases().size(); ++i) {
-    EXPECT_TRUE(names.insert(case_name(op_cases()[i], i)).second);
-    ops_seen.insert(op_cases()[i].op);
+    const OpCase& c = op_cases()[i];
+    EXPECT_TRUE(names.insert(case_name(c, i)).second) << case_name(c, i);
+    cases[c.op] = cases[c.op] || static_cast<bool>(c.backward);
+    EXPECT_TRUE(row_set.count(c.op) || row_set.count(c.op + "_forward")) << c.op << " is no op";
   }
-  for (const char* op : {"gemm", "gemm_plus", "gemm_bias", "add_bias", "embedding", "rmsnorm",
-                         "rmsnorm_backward_add", "rope", "attention", "attention_decode", "swiglu",
-                         "cross_entropy", "add_", "scale_", "sum_squares"})
-    EXPECT_TRUE(ops_seen.count(op)) << op;
+  for (const std::string& row : rows) {
+    const bool elsewhere = tested_elsewhere().count(row) > 0;
+    EXPECT_TRUE(covered(row, cases) || elsewhere)
+        << row << " (src/rig/ops/op_table.inc) has no case in tests/op_cases_*.h; add one, or list "
+        << "it in tested_elsewhere() with the test that checks it";
+    EXPECT_FALSE(covered(row, cases) && elsewhere)
+        << row << " has a case: drop it from tested_elsewhere()";
+  }
+  for (const auto& [op, where] : tested_elsewhere())
+    EXPECT_TRUE(row_set.count(op))
+        << op << " is listed in tested_elsewhere() but is no row of the table";
 }
 
 }  // namespace

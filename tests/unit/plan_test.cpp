@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "rig/core/error.h"
@@ -428,6 +430,58 @@ TEST(PlanCli, JsonAndErrors) {
       "--rank 64 --targets all --optimizer adamw8bit --psu 1600");
   EXPECT_EQ(txt.code, 0);
   EXPECT_NE(txt.out.find("PSU 1600 W cannot carry full load 2100 W"), std::string::npos) << txt.out;
+}
+
+// --config plans the job a training config describes: the same numbers as the flags that say
+// the same, flags still winning.
+TEST(PlanCli, ConfigFillsTheJobAndFlagsWin) {
+  const std::string cfg = std::string(RIG_SOURCE_DIR) + "/configs/llama3-8b-qlora-24gb.yaml";
+  auto from_cfg = rig::test::run_rig("plan --config " + cfg + " --json");
+  ASSERT_EQ(from_cfg.code, 0) << from_cfg.out;
+  auto by_flags = rig::test::run_rig(
+      "plan --model llama3-8b --method qlora --rank 64 --targets all --seq 4096 --micro-batch 2 "
+      "--grad-accum 8 --checkpointing full --optimizer adamw --strategy ddp --max-memory 22GiB "
+      "--json");
+  ASSERT_EQ(by_flags.code, 0) << by_flags.out;
+  auto a = nlohmann::json::parse(from_cfg.out), b = nlohmann::json::parse(by_flags.out);
+  EXPECT_EQ(a["memory"], b["memory"]);
+  EXPECT_EQ(a["setup"], b["setup"]);
+  auto seq = rig::test::run_rig("plan --config " + cfg + " --seq 1024 --json");
+  ASSERT_EQ(seq.code, 0) << seq.out;
+  EXPECT_EQ(nlohmann::json::parse(seq.out)["setup"]["seq_len"], 1024);
+  auto bad = rig::test::run_rig("plan --config " + std::string(RIG_SOURCE_DIR) + "/README.md");
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.out.find("README.md"), std::string::npos) << bad.out;
+}
+
+// Every shipped recipe fits the max_memory it sets on the cards it is written for, by the
+// planner's prediction with 10% to spare (the planner has been 6-8% under rig's measured
+// reserved peaks: docs/plan.md). Two recipes overran their budget before this check.
+TEST(PlanCli, EveryRecipeFitsItsOwnBudget) {
+  const std::map<std::string, std::string> gpus = {
+      {"llama3-8b-lora-24gb.yaml", "1x4090"},
+      {"llama3-8b-qlora-24gb.yaml", "1x4090"},
+      {"qwen3-8b-qlora-24gb.yaml", "1x4090"},
+      {"llama3-70b-qlora-4x24gb.yaml", "4x4090"},
+  };
+  size_t seen = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(RIG_SOURCE_DIR) + "/configs")) {
+    const std::string name = e.path().filename().string();
+    if (e.path().extension() != ".yaml" || name == "demo.yaml") continue;
+    ++seen;
+    auto it = gpus.find(name);
+    ASSERT_NE(it, gpus.end()) << name << ": a new recipe; add it here with the cards it is for";
+    auto r = rig::test::run_rig("plan --config " + e.path().string() + " --gpus " + it->second +
+                                " --json");
+    ASSERT_EQ(r.code, 0) << name << ": " << r.out;
+    auto j = nlohmann::json::parse(r.out);
+    const double peak = j["memory"]["allocator_peak"].get<double>();
+    const double budget = j["gpus"][0]["budget_bytes"].get<double>();
+    EXPECT_LT(budget, 23.0 * (1ull << 30)) << name << " sets no max_memory";
+    EXPECT_LE(1.10 * peak, budget) << name << ": rig plan predicts " << peak / (1ull << 30)
+                                   << " GiB against max_memory " << budget / (1ull << 30);
+  }
+  EXPECT_EQ(seen, gpus.size());
 }
 
 // ---- Speed from measured efficiency, and --calibrate -----------------------------------------

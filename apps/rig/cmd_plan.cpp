@@ -1,16 +1,13 @@
 // rig plan: memory, speed, power, reliability and cost of a fine-tuning setup, before buying or
 // renting anything. The models live in src/rig/plan; this file parses flags and prints.
-#include <filesystem>
 #include <iostream>
 
 #include "command.h"
 #include "flags.h"
 #include "rig/core/allocator.h"
-#include "rig/core/error.h"
-#include "rig/model/catalog.h"
+#include "rig/plan/from_config.h"
 #include "rig/plan/models.h"
 #include "rig/plan/planner.h"
-#include "rig/train/train_config.h"
 
 namespace {
 
@@ -26,24 +23,11 @@ struct Flags {
   PlanInput in;
 };
 
-// The model a training config trains: its inline or built-in architecture, its model folder, or
-// the catalogue shape whose Hugging Face id it names (a recipe's meta-llama/Meta-Llama-3-70B).
-rig::ModelConfig model_of(const rig::TrainConfig& c) {
-  const nlohmann::json arch = c.architecture_json();
-  if (!arch.is_null()) return rig::ModelConfig::from_json(arch, c.source + ": architecture");
-  if (!c.model.empty() && std::filesystem::exists(c.model)) return rig::ModelConfig::load(c.model);
-  for (const auto& m : rig::model_catalog())
-    if (m.source == c.model || m.name == c.model) return rig::ModelConfig::from_json(m.config, m.name);
-  rig::bad_input(
-      "{}: model '{}' is no folder here and no built-in shape's Hugging Face id; give rig plan "
-      "--model (a built-in shape, config.json or model folder)",
-      c.source, c.model);
-}
-
 // Fills what the command line left unset from a training config: the job as `rig train` would
 // run it (the GPUs are not in a config: --gpus, default one 4090).
 void apply_config(Flags& f, const CLI::App& app) {
   const rig::TrainConfig c = rig::load_train_config(f.config);
+  const TrainSetup cs = train_setup_of(c);
   auto unset = [&](const char* flag) { return app.count(flag) == 0; };
   PlanInput& in = f.in;
   TrainSetup& s = in.setup;
@@ -51,20 +35,18 @@ void apply_config(Flags& f, const CLI::App& app) {
     in.model = model_of(c);
     f.model = c.model.empty() ? c.architecture_name : c.model;
   }
-  if (unset("--method")) f.method = c.method;
-  if (unset("--rank")) s.lora_rank = c.lora.r;
-  if (unset("--targets")) {
-    f.targets.clear();
-    for (const auto& t : c.lora.targets) f.targets += (f.targets.empty() ? "" : ",") + t;
-  }
-  if (unset("--seq")) s.seq_len = c.sequence_len;
-  if (unset("--micro-batch")) s.micro_batch = c.micro_batch_size;
-  if (unset("--grad-accum")) s.grad_accum = c.gradient_accumulation_steps;
-  if (unset("--checkpointing")) f.ckpt = c.activation_checkpointing;
-  if (unset("--recompute-layers")) s.recompute_layers = c.recompute_layers;
-  if (unset("--optimizer")) f.optimizer = c.optimizer.name;
-  if (unset("--strategy")) f.strategy = c.strategy == "auto" ? "ddp" : c.strategy;
-  if (unset("--precision")) f.precision = c.resolved_precision(c.device != "cpu");
+  if (unset("--method")) f.method = to_string(cs.method);
+  if (unset("--rank")) s.lora_rank = cs.lora_rank;
+  if (unset("--targets")) f.targets = lora_targets_string(cs.lora_targets);
+  if (unset("--seq")) s.seq_len = cs.seq_len;
+  if (unset("--micro-batch")) s.micro_batch = cs.micro_batch;
+  if (unset("--grad-accum")) s.grad_accum = cs.grad_accum;
+  if (unset("--checkpointing")) f.ckpt = to_string(cs.checkpointing);
+  if (unset("--recompute-layers")) s.recompute_layers = cs.recompute_layers;
+  if (unset("--optimizer")) f.optimizer = to_string(cs.optimizer);
+  if (unset("--strategy")) f.strategy = to_string(cs.strategy);
+  if (unset("--precision")) f.precision = to_string(cs.precision);
+  s.bucket_bytes = cs.bucket_bytes;
   if (unset("--max-memory") && c.max_memory) in.max_memory = double(c.max_memory);
 }
 

@@ -218,6 +218,29 @@ TEST(Trainer, DemoLearnsTheHeldOutTask) {
   EXPECT_EQ(r.rollbacks, 0);
 }
 
+// The run states what rig plan predicts for it beside max_memory, and warns before the first step
+// when the prediction is over it (the CPU engine's pool: the same formulas without the CUDA
+// context). The demo peaks at about 57 MiB; 40 MiB cannot hold it.
+TEST(Trainer, StatesThePlannedPeakAndWarnsWhenOverTheBudget) {
+  const std::string dir = test::temp_dir("planned-peak");
+  const std::string args = " --quiet --set device=cpu --set max_steps=2 "
+                           "--set schedule.warmup_steps=0 --set eval.generate=0 --set tokenizer=" +
+                           std::string(RIG_SOURCE_DIR) +
+                           "/data/demo/tokenizer.json --set datasets.0.path=" + RIG_SOURCE_DIR +
+                           "/data/demo/reverse.jsonl";
+  auto fits = test::run_rig("train " + kDemo + args + " --output " + dir + "/fits");
+  ASSERT_EQ(fits.code, 0) << fits.out;
+  const std::string log = read_file(dir + "/fits/train.log");
+  EXPECT_NE(log.find("rig plan predicts a peak of"), std::string::npos) << log;
+  auto over = test::run_rig("train " + kDemo + args + " --set max_memory=40MiB --output " + dir +
+                            "/over");
+  EXPECT_NE(over.code, 0) << over.out;
+  const std::string warned = read_file(dir + "/over/train.log");
+  EXPECT_NE(warned.find("warning: rig plan predicts a peak of"), std::string::npos) << warned;
+  EXPECT_NE(warned.find("over max_memory 40.00 MiB"), std::string::npos) << warned;
+  EXPECT_NE(over.out.find("out of memory"), std::string::npos) << over.out;
+}
+
 TEST(Trainer, BadConfigAndDataAreClearErrors) {
   const std::string dir = test::temp_dir("badtrain");
   auto r = test::run_rig("train " + kDemo + " --set learnig_rate=1e-3");

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "rig/core/allocator.h"
+#include "rig/plan/from_config.h"
 #include "rig/train/trainer_impl.h"
 
 namespace rig {
@@ -66,12 +67,42 @@ void Trainer::open_run_log() {
       ckpt_ ? "resuming" : "starting", cfg_.method, step_, total_, n_params_, n_trainable_,
       data_.train->size(), data_.train->num_tokens(), data_.eval ? data_.eval->size() : 0));
   for (const auto& t : data_.templates) note("chat template of " + t);
+  note_planned_memory();
   if (!hooks_.quiet && lead_) progress_ = std::make_unique<Progress>(total_, step_);
   report_rejected();
   if (ckpt_) {
     event("resumed", step_, {{"from", ckpt_->dir}},
           fmt::format("resumed from {} at step {}", ckpt_->dir, step_));
     ckpt_.reset();  // drops the mapping of its files
+  }
+}
+
+// What `rig plan` predicts for this job per rank, beside max_memory: a job that cannot fit is
+// told so before its first step, not by an out-of-memory stop minutes later.
+void Trainer::note_planned_memory() {
+  plan::TrainSetup s = plan::train_setup_of(cfg_);
+  s.world_size = world_;
+  s.precision = plan::parse_precision(precision_);
+  if (!dev_.is_cuda()) s.context_bytes = s.gemm_workspace_bytes = 0;  // the CPU engine's pool
+  double peak = 0;
+  try {
+    peak = plan::estimate_memory(model_->config(), s).allocator_peak();
+  } catch (const std::exception& e) {
+    note(fmt::format("rig plan cannot predict this job's memory: {}", e.what()));
+    return;
+  }
+  const double budget = double(cfg_.max_memory);
+  if (!cfg_.max_memory) {
+    note(fmt::format("rig plan predicts a peak of {} per rank", format_bytes(peak)));
+  } else if (peak <= budget) {
+    note(fmt::format("rig plan predicts a peak of {} per rank, within max_memory {}",
+                     format_bytes(peak), format_bytes(budget)));
+  } else {
+    say(fmt::format(
+        "warning: rig plan predicts a peak of {} per rank, over max_memory {}: "
+        "expect an out-of-memory stop (activation_checkpointing: full, a smaller "
+        "micro_batch_size or sequence_len; `rig plan --config` shows what fits)",
+        format_bytes(peak), format_bytes(budget)));
   }
 }
 

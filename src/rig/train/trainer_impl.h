@@ -109,6 +109,7 @@ class Trainer {
   void write_final();
   // Every rank's peak reserved and in-use device memory (setup included), as an event.
   void report_rank_memory();
+  void note_planned_memory();
 
   // ---- the run's log and telemetry (trainer.cpp) ----
   void open_run_log();

@@ -322,7 +322,11 @@ std::vector<ConfigSection> make_sections() {
                        "(tensors, rounding and cached free blocks: past the budget the cache is "
                        "given back before anything new is reserved); allocations past it fail with "
                        "the tensor named. The CUDA context and the libraries' own memory come on "
-                       "top: leave about 1 GiB for them (measured in `docs/cuda-backend.md`)."},
+                       "top: leave about 1 GiB for them (measured in `docs/cuda-backend.md`). "
+                       "Ranks sharing a GPU through CUDA IPC keep a 32 MiB staging buffer each, "
+                       "taken off this budget. At the start `train.log` gives `rig plan`'s "
+                       "predicted peak beside it, and a job predicted over it is warned about "
+                       "before its first step."},
            }},
       {.title = "Evaluation (`eval:`) and saving (`save:`)",
        .keys =

@@ -98,11 +98,11 @@ void Trainer::note_planned_memory() {
     note(fmt::format("rig plan predicts a peak of {} per rank, within max_memory {}",
                      format_bytes(peak), format_bytes(budget)));
   } else {
-    say(fmt::format(
-        "warning: rig plan predicts a peak of {} per rank, over max_memory {}: "
-        "expect an out-of-memory stop (activation_checkpointing: full, a smaller "
-        "micro_batch_size or sequence_len; `rig plan --config` shows what fits)",
-        format_bytes(peak), format_bytes(budget)));
+    say(
+        fmt::format("warning: rig plan predicts a peak of {} per rank, over max_memory {}: "
+                    "expect an out-of-memory stop (activation_checkpointing: full, a smaller "
+                    "micro_batch_size or sequence_len; `rig plan --config` shows what fits)",
+                    format_bytes(peak), format_bytes(budget)));
   }
 }
 

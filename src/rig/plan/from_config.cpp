@@ -30,8 +30,10 @@ ModelConfig model_of(const TrainConfig& c) {
   const nlohmann::json arch = c.architecture_json();
   if (!arch.is_null()) return ModelConfig::from_json(arch, c.source + ": architecture");
   if (!c.model.empty() && std::filesystem::exists(c.model)) return ModelConfig::load(c.model);
+  if (const CatalogModel* m = find_catalog_model(c.model))  // a name or alias: llama3-8b
+    return ModelConfig::from_json(m->config, m->name);
   for (const auto& m : model_catalog())
-    if (m.source == c.model || m.name == c.model) return ModelConfig::from_json(m.config, m.name);
+    if (m.source == c.model) return ModelConfig::from_json(m.config, m.name);
   bad_input(
       "{}: model '{}' is no folder here and no built-in shape's Hugging Face id; give rig plan "
       "--model (a built-in shape, config.json or model folder)",

@@ -83,9 +83,10 @@ void Trainer::save(int64_t s) {
 // model on every rank.
 void Trainer::run_eval(int64_t s, bool final_eval) {
   if (!data_.eval) return;
+  const bool layerwise = shard_ && !shard_->gathered();
   auto e = evaluate(*model_, *data_.eval, cfg_.sequence_len, cfg_.micro_batch_size,
-                    cfg_.eval.batches, shard_ && !shard_->gathered() ? shard_.get() : nullptr);
-  const bool gather = shard_ && !shard_->gathered() && cfg_.eval.generate > 0;
+                    cfg_.eval.batches, layerwise ? shard_.get() : nullptr);
+  const bool gather = layerwise && cfg_.eval.generate > 0;
   if (gather) shard_->gather_all();
   json extra = {{"eval_perplexity", std::exp(e.loss)}};
   std::string line = fmt::format("step {}: eval loss {:.4f} (perplexity {:.2f}) over {} tokens", s,

@@ -86,6 +86,9 @@ struct StepHooks {
   // may free its gathered copy for the layers. Gradients are still final only at after(-1).
   enum OuterPart { Embedding, Head };
   virtual void outer_done(OuterPart) {}
+  // Within group -1: the head is about to be read (after the last layer's forward), so a
+  // strategy that held its gathered copy back during the layers must provide it now.
+  virtual void outer_needed(OuterPart) {}
 };
 
 struct StepOptions {
@@ -220,7 +223,7 @@ class LlamaModel {
   // One decode step on the device: ids [n] int64 on the model's device; leaves the last row's
   // logits in cache.logits.
   void decode_rows(KVCache& cache, const Tensor& ids);
-  Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
+  Tensor to_act(const Tensor& x) const;  // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
   // dh (float32) is the residual gradient; dh_act its copy in the compute dtype (dh itself in

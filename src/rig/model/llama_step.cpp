@@ -347,6 +347,10 @@ StepResult LlamaModel::step(const TokenBatch& batch, const StepOptions& opt) {
       acts[l] = Acts{};
     }
   }
+  if (hk) {
+    hk->outer_needed(StepHooks::Head);
+    bind_outer();
+  }
   Tensor hn = act({N, H}, "final norm"), rstd = fresh_on(dev_, {N}, "rstd");
   ops::rmsnorm_forward(h, final_norm_, float(cfg_.rms_norm_eps), hn, rstd);
 

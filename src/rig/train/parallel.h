@@ -72,6 +72,9 @@ struct FlatUnit {
   bool bytes = false;
   // The frozen input embedding alone ("outer.embedding.frozen"), released after its lookup.
   bool embedding = false;
+  // The frozen head (final norm, lm_head) of a model whose embedding is a unit of its own: gathered
+  // after the last layer's forward (outer_needed), not beside the layers' gathered weights.
+  bool head = false;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
   // 8-bit AdamW (trainable units): every param starts on a multiple of align (its block of 256)
   // and each rank's shard is a multiple of it too, so a shard holds whole blocks of the very
@@ -112,6 +115,8 @@ class Sharded : public StepHooks {
   // Releases the gathered frozen embedding, or the frozen head (final norm, lm_head), until the
   // next step's before(-1).
   void outer_done(OuterPart part) override;
+  // Gathers the frozen head, which before(-1) holds back while the layers run.
+  void outer_needed(OuterPart part) override;
   // Waits for the gradient reduce-scatters still in flight (before clipping).
   void finish();
   // Every parameter full on every rank (generation, the final output) and back. With

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -23,9 +23,8 @@ using namespace rig::test::parallel;
 
 namespace {
 
-#define REQUIRE_GPU()    \
-  if (!cuda_available()) \
-  GTEST_SKIP() << "no CUDA GPU visible: shared-GPU rank tests run on a GPU machine"
+#define REQUIRE_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU visible: shared-GPU rank tests run on a GPU machine"
 
 // Each thread's Gloo communicator, taking tensors on cuda:0.
 std::unique_ptr<dist::Communicator> on_gpu(std::unique_ptr<dist::Communicator> c) {
@@ -109,8 +108,8 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
     for (int r = 0; r < world; ++r)
       ts.emplace_back([&, r] {
         try {
-          auto store =
-              std::make_shared<dist::Store>("127.0.0.1", server.port(), r, dist::Millis(30000));
+          auto store = std::make_shared<dist::Store>("127.0.0.1", server.port(), r,
+                                                     dist::Millis(30000));
           dist::CommOptions co;
           co.timeout = std::chrono::seconds(30);
           auto comm = dist::make_staged(dist::make_gloo(store, r, world, co), Device::cuda(0),
@@ -134,8 +133,8 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
     for (auto& t : ts) t.join();
     ::unsetenv("RIG_STAGED_IPC");
     for (int r = 0; r < world; ++r) {
-      const std::string what = fmt::format("rank {} of {} through {}, {} to {} bytes", r, world, tr,
-                                           c.min_bytes, c.max_bytes);
+      const std::string what = fmt::format("rank {} of {} through {}, {} to {} bytes", r, world,
+                                           tr, c.min_bytes, c.max_bytes);
       EXPECT_EQ(errors[size_t(r)], "") << what;
       EXPECT_EQ(used[size_t(r)], tr) << what;
       EXPECT_EQ(wrong[size_t(r)], 0) << what;
@@ -143,8 +142,8 @@ TEST(SharedGpu, StagedCollectivesAreCorrectAtEverySize) {
   }
 }
 
-class SharedGpuEquivalence : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
-};
+class SharedGpuEquivalence
+    : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(SharedGpuEquivalence, TwoAndFourRanksOnOneGpuMatchOneRankInBf16) {
   REQUIRE_GPU();
@@ -160,12 +159,13 @@ TEST_P(SharedGpuEquivalence, TwoAndFourRanksOnOneGpuMatchOneRankInBf16) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(MethodsAndStrategies, SharedGpuEquivalence,
-                         ::testing::Combine(::testing::Values("lora", "qlora", "full"),
-                                            ::testing::Values("ddp", "sharded")),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_" + std::get<1>(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    MethodsAndStrategies, SharedGpuEquivalence,
+    ::testing::Combine(::testing::Values("lora", "qlora", "full"),
+                       ::testing::Values("ddp", "sharded")),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::get<1>(info.param);
+    });
 
 // A sharded bf16 QLoRA run stopped on 4 ranks resumes on 2, then finishes on one process; it ends
 // where the uninterrupted one-rank run ends, within bf16's tolerance.

@@ -111,9 +111,9 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
           check(
               held >= total / size_t(world) && held <= total / size_t(world) + total / 20,
               fmt::format("rank holds {} bytes of {} 4-bit bytes on {} ranks", held, total, world));
-          // The frozen input embedding is gathered for its lookup only, the head for the loss.
+          // The frozen input embedding is gathered for its lookup only, the head for the loss
+          // (after the last layer's forward, not beside the layers' weights).
           auto whole = [&](const char* name) { return m->find_param(name)->value.defined(); };
-          // The head only after the last layer's forward, not beside the layers' weights.
           sh.before(-1, StepHooks::Forward);
           check(whole("model.embed_tokens.weight"), "embedding not gathered for its lookup");
           check(!whole("lm_head.weight") && !whole("model.norm.weight"),
@@ -137,8 +137,7 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
           check(whole("lm_head.weight") && whole("model.norm.weight"),
                 "head not gathered for the final norm and the loss");
           sh.outer_done(StepHooks::Head);
-          check(!whole("lm_head.weight") && !whole("model.norm.weight"),
-                "head kept after the loss");
+          check(!whole("lm_head.weight") && !whole("model.norm.weight"), "head kept after the loss");
           sh.after(-1, StepHooks::Forward);
           check(m->quantized_bytes() == 0, "4-bit tensors kept after their layer");
           // The final output of a LoRA run: the adapters gathered, the 4-bit base left sharded.
@@ -177,8 +176,7 @@ TEST(Parallel, ShardedQloraCheckpointResumesOnOtherWorldSizes) {
         bool four_bit_unit = false;
         const nlohmann::json layout = load_checkpoint(dir).state["sharded"];
         for (const auto& u : layout["units"])
-          if (u.value("four_bit", false) && u["name"] == "layer.1.frozen_4bit")
-            four_bit_unit = true;
+          if (u.value("four_bit", false) && u["name"] == "layer.1.frozen_4bit") four_bit_unit = true;
         EXPECT_TRUE(four_bit_unit);
       });
   expect_close_runs(base + "/ref", run, "qlora", size_t(steps), abs_tolerance("qlora"));

@@ -223,7 +223,7 @@ class LlamaModel {
   // One decode step on the device: ids [n] int64 on the model's device; leaves the last row's
   // logits in cache.logits.
   void decode_rows(KVCache& cache, const Tensor& ids);
-  Tensor to_act(const Tensor& x) const;  // x in the compute dtype (x if it is)
+  Tensor to_act(const Tensor& x) const;                 // x in the compute dtype (x if it is)
   void ensure_rope(int64_t positions);
   void layer_forward(int li, const Tensor& h_in, Acts& a, const TokenBatch& b, uint64_t seed);
   // dh (float32) is the residual gradient; dh_act its copy in the compute dtype (dh itself in

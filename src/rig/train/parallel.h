@@ -72,8 +72,8 @@ struct FlatUnit {
   bool bytes = false;
   // The frozen input embedding alone ("outer.embedding.frozen"), released after its lookup.
   bool embedding = false;
-  // The frozen head (final norm, lm_head) of a model whose embedding is a unit of its own: gathered
-  // after the last layer's forward (outer_needed), not beside the layers' gathered weights.
+  // The frozen head (final norm, lm_head) of a model whose embedding is a unit of its own:
+  // gathered after the last layer's forward (outer_needed), not beside the layers' weights.
   bool head = false;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
   // 8-bit AdamW (trainable units): every param starts on a multiple of align (its block of 256)

@@ -68,12 +68,8 @@ constexpr QuantField kQuantFields[] = {
 
 // Float32 words a tensor's bytes take in a unit of bytes: padded to 16 bytes, so every tensor
 // gathered into the unit's buffer starts as aligned as a fresh allocation's vector loads need.
-int64_t words_of(size_t nbytes) {
-  return (int64_t(nbytes) + 15) / 16 * 4;
-}
-int64_t words_of(const Tensor& t) {
-  return words_of(t.nbytes());
-}
+int64_t words_of(size_t nbytes) { return (int64_t(nbytes) + 15) / 16 * 4; }
+int64_t words_of(const Tensor& t) { return words_of(t.nbytes()); }
 
 // The stored tensors of a 4-bit weight: the ones it holds, or those a random model will draw.
 struct Stored {
@@ -141,8 +137,9 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vect
       auto emit = [&](FlatUnit v, std::vector<size_t> mm) {
         // Frozen matrices stored in bf16 (bf16 compute) sit beside float32 norms: the unit then
         // carries every tensor's bytes, as a 4-bit unit does.
-        if (kind == 2 && std::any_of(mm.begin(), mm.end(),
-                                     [&](size_t i) { return ps[i].value.dtype() != DType::F32; })) {
+        if (kind == 2 && std::any_of(mm.begin(), mm.end(), [&](size_t i) {
+              return ps[i].value.dtype() != DType::F32;
+            })) {
           v.bytes = true;
           v.params.clear();
           for (size_t i : mm) v.params.emplace_back(ps[i].name, words_of(ps[i].value));
@@ -405,7 +402,7 @@ void Sharded::before(int group, Phase phase) {
   if (it == of_group_.end()) return;
   auto& ps = model_.params();
   for (size_t k : it->second)
-    if (!units_[k].head || pinned_) gather(*state_[k]);
+    if (!units_[k].head) gather(*state_[k]);
   // The next layer in this pass (forward: up, backward: down) while this one computes; the
   // outer parameters are gathered at the start of the step, before layer 0.
   if (!pinned_) prefetch(group < 0 ? 0 : phase == Forward ? group + 1 : group - 1);

@@ -241,7 +241,9 @@ TEST(ToolsDevice, EvalOnTheCpuIsUnchanged) {
   ASSERT_EQ(r.code, 0) << r.out;
   auto r0 = test::run_rig("eval --model " + model + " --data " + data + " --seq 64 --batch 16");
   ASSERT_EQ(r0.code, 0) << r0.out;
-  if (!cuda_available()) EXPECT_EQ(r0.out, r.out);  // auto is the CPU here
+  if (!cuda_available()) {
+    EXPECT_EQ(r0.out, r.out);  // auto is the CPU here
+  }
   Tokenizer tok = Tokenizer::load(kTok);
   auto samples = load_samples(data, &tok, RenderOptions{});
   auto ds = TokenDataset::from_samples(samples);

@@ -87,7 +87,7 @@ struct GuardSettings {
   int64_t spike_warmup = 20;
   double spike_k = 8;
   double spike_loss_ratio = 1.5;
-  double spike_grad_ratio = 10;
+  double spike_grad_ratio = 100;
   int64_t max_rollbacks = 3;  // per run; one more stops it for a human to look
   // Compare the parameters of data-parallel replicas (sharded: each rank's shards against
   // themselves) every this many steps and before every checkpoint; 0 turns it off.

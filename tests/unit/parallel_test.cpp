@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "parallel_test_util.h"
@@ -63,8 +65,11 @@ INSTANTIATE_TEST_SUITE_P(Qlora, ParallelEquivalence,
                            return std::get<0>(info.param) + "_" + std::get<1>(info.param);
                          });
 
-TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) {
-  const std::string dir = kSrc + "/tests/data/hf/tiny-llama3/model";
+// A float32 folder, a bf16 one (quantized while loading) and a bitsandbytes 4-bit one (read).
+class ShardedQloraFolder : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ShardedQloraFolder, RankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) {
+  const std::string dir = test::data_path(GetParam());
   LoadOptions lo;
   lo.quantize = true;
   // Every stored tensor of every 4-bit weight (transformers' keys), as the unsharded model has it.
@@ -80,7 +85,14 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
   const auto ref = stored(*ref_model);
   const size_t total = ref_model->quantized_bytes();
   ASSERT_GT(total, 0u);
-  for (int world : {2, 4}) {
+  int64_t weights = 0;
+  for (const auto& p : ref_model->params()) weights += p.quant ? 1 : 0;
+  // Quantized whole while loading, then sliced; or (defer_quantize, what a sharded run does)
+  // quantized on demand, each rank only the weights its slices cover.
+  for (const auto& [world, defer] : std::vector<std::pair<int, bool>>{{2, false}, {4, false},
+                                                                      {2, true}, {4, true}}) {
+    lo.defer_quantize = defer;
+    std::vector<int64_t> quantized(size_t(world), 0);
     dist::StoreServer server(0);
     std::vector<std::thread> ts;
     std::vector<std::string> errors(static_cast<size_t>(world));
@@ -94,6 +106,7 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
           auto check = [&](bool ok, const std::string& what) {
             if (!ok && errors[size_t(r)].empty()) errors[size_t(r)] = what;
           };
+          quantized[size_t(r)] = m->deferred_quantized();
           // At rest a rank holds its shards of the 4-bit units and nothing of the full weights.
           check(m->quantized_bytes() == 0, "4-bit tensors kept after sharding");
           size_t held = 0;
@@ -155,9 +168,32 @@ TEST(Parallel, ShardedQloraRankHoldsItsPartOfThe4BitBytesAndGathersThemExactly) 
         }
       });
     for (auto& t : ts) t.join();
-    for (int r = 0; r < world; ++r) EXPECT_EQ(errors[size_t(r)], "") << "world " << world;
+    for (int r = 0; r < world; ++r)
+      EXPECT_EQ(errors[size_t(r)], "") << "world " << world << (defer ? ", deferred" : "");
+    if (!defer) continue;
+    // The model's quantization done once in all, not once per rank: a weight is quantized twice
+    // only where a slice boundary of its layer's unit cuts it.
+    const int64_t layers = ref_model->config().num_layers;
+    int64_t sum = 0;
+    for (int64_t q : quantized) {
+      EXPECT_GT(q, 0);
+      EXPECT_LT(q, weights);
+      sum += q;
+    }
+    EXPECT_GE(sum, weights);
+    EXPECT_LE(sum, weights + layers * (world - 1)) << "world " << world;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Folders, ShardedQloraFolder,
+                         ::testing::Values("hf/tiny-llama3/model", "bnb-nf4/tiny_llama_bf16",
+                                           "bnb-nf4/tiny_llama_bnb4"),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(info.param.find('/') + 1);
+                           for (char& c : n)
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return n;
+                         });
 
 TEST(Parallel, ShardedQloraCheckpointResumesOnOtherWorldSizes) {
   const std::string base = test::temp_dir("par_reshard_qlora");

@@ -202,6 +202,32 @@ TEST(QLoRA, GradientsEqualLoraOnTheDequantizedWeights) {
     }
 }
 
+// Deferred (what a sharded rank does): nothing is quantized or read at load; made on demand, a
+// weight is still bitsandbytes' bytes, from the bf16 folder and from the 4-bit one.
+TEST(QLoRA, DeferredQuantizationMakesTheBitsandbytesBytesOnDemand) {
+  auto bnb = WeightFiles::open_dir(kBnb);
+  for (const std::string& dir : {kBf16, kBnb}) {
+    LoadOptions lo;
+    lo.quantize = lo.defer_quantize = true;
+    auto m = LlamaModel::load(dir, lo);
+    EXPECT_TRUE(m->codes_deferred()) << dir;
+    EXPECT_EQ(m->offsets_pending(), dir == kBf16) << "a 4-bit folder's offsets are in its files";
+    EXPECT_EQ(m->quantized_bytes(), 0u) << dir;
+    // A range of one weight's packed codes, then the whole model.
+    const size_t i = size_t(m->find_param(linear_keys()[3]) - m->params().data());
+    std::vector<uint8_t> part(40);
+    m->deferred_4bit_bytes(i, &quant::QuantizedWeight::packed, 100, 140, part.data());
+    const Tensor want = bnb.get(linear_keys()[3]);
+    EXPECT_EQ(std::memcmp(part.data(), static_cast<const uint8_t*>(want.raw()) + 100, 40), 0);
+    EXPECT_EQ(m->deferred_quantized(), 1);
+    m->materialize_4bit(Device::cpu());
+    EXPECT_FALSE(m->codes_deferred());
+    for (const auto& key : linear_keys())
+      for (const auto& [k, t] : quant::state_dict(key, *m->find_param(key)->quant))
+        EXPECT_TRUE(same_bytes(t, bnb.get(k))) << dir << ": " << k;
+  }
+}
+
 TEST(QLoRA, QuantizeWhileLoadingReproducesTheBitsandbytesFolder) {
   LoadOptions lo;
   lo.quantize = true;

@@ -85,7 +85,7 @@ TEST(RandomCodes, RandomModelMaterializesTheBytesItDrawsOnDemand) {
     if (!p.quant) continue;
     EXPECT_FALSE(p.quant->packed.defined());
     std::vector<uint8_t> b((p.quant->numel() + 1) / 2);
-    m->draw_4bit_bytes(i, &QuantizedWeight::packed, 0, int64_t(b.size()), b.data());
+    m->deferred_4bit_bytes(i, &QuantizedWeight::packed, 0, int64_t(b.size()), b.data());
     drawn.push_back(std::move(b));
   }
   ASSERT_EQ(drawn.size(), 14u);

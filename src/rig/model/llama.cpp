@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -172,7 +173,8 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadO
   ModelConfig cfg = ModelConfig::load(dir);
   const auto qcfg =
       quant::parse_quantization_config(cfg.raw, (fs::path(dir) / "config.json").string());
-  WeightFiles w = WeightFiles::open_dir(dir);
+  auto files = std::make_shared<WeightFiles>(WeightFiles::open_dir(dir));
+  const WeightFiles& w = *files;
   std::unique_ptr<LlamaModel> m(new LlamaModel());
   // Linear weights stay (or become) 4-bit unless asked for float32.
   m->build(cfg, [&](const std::string& name) {
@@ -181,6 +183,12 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadO
   for (auto& p : m->params_) {
     if (!w.has(p.name)) bad_input("{}: weights have no tensor '{}' required by config.json", dir, p.name);
     const bool stored_4bit = quant::is_quantized(w, p.name);
+    if (stored_4bit && p.quant && opt.defer_quantize) {
+      *p.quant = quant::load_quantized(w, p.name, p.shape(), /*tensors=*/false);
+      m->codes_deferred_ = true;
+      m->deferred_files_ = files;
+      continue;
+    }
     if (stored_4bit) {
       // transformers' layout: the packed weight and its companions, checked against the shape.
       quant::QuantizedWeight q = quant::load_quantized(w, p.name, p.shape());
@@ -203,6 +211,15 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadO
     if (info.shape != p.shape())
       bad_input("{}: tensor '{}' has shape {} but config.json implies {}", w.path_of(p.name),
                 p.name, shape_str(info.shape), shape_str(p.shape()));
+    if (p.quant && opt.defer_quantize) {
+      // Its scalars now (the offset once quantized), its tensors on demand.
+      *p.quant = quant::drawn_4bit_skeleton(p.shape(), opt.quant_type, opt.blocksize,
+                                            opt.double_quant);
+      p.quant->dtype = info.dtype == DType::F64 ? DType::F32 : info.dtype;
+      m->codes_deferred_ = m->offsets_pending_ = true;
+      m->deferred_files_ = files;
+      continue;
+    }
     if (p.quant) {
       // Quantize while loading: one float tensor in memory at a time.
       Tensor src = w.get(p.name);
@@ -275,12 +292,51 @@ std::unique_ptr<LlamaModel> LlamaModel::random(const ModelConfig& cfg, uint64_t 
   return m;
 }
 
-void LlamaModel::draw_4bit_bytes(size_t param, Tensor quant::QuantizedWeight::*field,
-                                 int64_t begin, int64_t end, uint8_t* out) const {
-  RIG_CHECK(codes_deferred_ && params_.at(param).quant, "parameter {} has no drawn 4-bit weight",
+const quant::QuantizedWeight& LlamaModel::quantize_deferred(size_t param) {
+  if (cached_param_ != param) {
+    Param& p = params_[param];
+    cached_param_ = SIZE_MAX;
+    if (quant::is_quantized(*deferred_files_, p.name)) {
+      cached_ = quant::load_quantized(*deferred_files_, p.name, p.shape());
+    } else {
+      Tensor src = deferred_files_->get(p.name);
+      if (src.dtype() == DType::F64) src = src.to_dtype(DType::F32);
+      cached_ = quant::quantize_4bit(src, p.quant->type, p.quant->blocksize, p.quant->nested);
+    }
+    cached_param_ = param;
+    ++deferred_quantized_;
+    p.quant->nested_offset = cached_.nested_offset;
+  }
+  return cached_;
+}
+
+void LlamaModel::deferred_4bit_bytes(size_t param, Tensor quant::QuantizedWeight::*field,
+                                     int64_t begin, int64_t end, uint8_t* out) {
+  RIG_CHECK(codes_deferred_ && params_.at(param).quant, "parameter {} has no deferred 4-bit weight",
             param);
-  quant::draw_4bit_bytes(*params_[param].quant, mix_seed(codes_seed_, int(param), -1), field,
-                         begin, end, out);
+  if (!deferred_files_) {
+    quant::draw_4bit_bytes(*params_[param].quant, mix_seed(codes_seed_, int(param), -1), field,
+                           begin, end, out);
+    return;
+  }
+  const Tensor& t = quantize_deferred(param).*field;
+  RIG_CHECK(t.defined() && begin >= 0 && begin <= end && size_t(end) <= t.nbytes(),
+            "bytes [{}, {}) of a {}-byte tensor of {}", begin, end, t.nbytes(),
+            params_[param].name);
+  std::memcpy(out, static_cast<const uint8_t*>(t.raw()) + begin, size_t(end - begin));
+}
+
+void LlamaModel::drop_4bit_cache() {
+  cached_param_ = SIZE_MAX;
+  cached_ = quant::QuantizedWeight();
+}
+
+void LlamaModel::set_4bit_offsets(const std::vector<float>& offsets) {
+  RIG_CHECK(offsets.size() == params_.size(), "{} offsets for {} parameters", offsets.size(),
+            params_.size());
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].quant) params_[i].quant->nested_offset = offsets[i];
+  offsets_pending_ = false;
 }
 
 void LlamaModel::materialize_4bit(Device dev) {
@@ -288,10 +344,17 @@ void LlamaModel::materialize_4bit(Device dev) {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].quant) continue;
     quant::QuantizedWeight& q = *params_[i].quant;
-    quant::draw_4bit(q, mix_seed(codes_seed_, int(i), -1));
-    q = q.to(dev);
+    if (deferred_files_) {
+      quantize_deferred(i);
+      q = cached_.to(dev);
+    } else {
+      quant::draw_4bit(q, mix_seed(codes_seed_, int(i), -1));
+      q = q.to(dev);
+    }
   }
-  codes_deferred_ = false;
+  codes_deferred_ = offsets_pending_ = false;
+  deferred_files_.reset();
+  drop_4bit_cache();
   qbuf_ = qview_ = Tensor();
 }
 

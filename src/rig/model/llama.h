@@ -19,6 +19,8 @@
 
 namespace rig {
 
+class WeightFiles;
+
 struct Param {
   std::string name;
   Tensor value, grad;  // grad is defined for trainable parameters after zero_grad()
@@ -53,8 +55,13 @@ struct LoadOptions {
   bool dequantize = false;
   // LlamaModel::random with quantize: draw the 4-bit weights straight as codes
   // (quant/random_codes.h) instead of drawing floats and quantizing them, and leave their tensors
-  // to be made on demand (draw_4bit_bytes, materialize_4bit): a sharded rank makes only its own.
+  // to be made on demand (deferred_4bit_bytes, materialize_4bit): a sharded rank makes only its own.
   bool draw_codes = false;
+  // LlamaModel::load with quantize, for a sharded rank: a float weight stays in the folder until
+  // its bytes are asked for (deferred_4bit_bytes), so a rank quantizes the weights its shards
+  // cover, not the whole model, and never holds the whole 4-bit model on the host. A weight's
+  // nested offset is known only where it was quantized (Sharded shares them).
+  bool defer_quantize = false;
 };
 
 // input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.
@@ -156,12 +163,22 @@ class LlamaModel {
   // Turns 4-bit weights back into float32 parameters (as bitsandbytes dequantizes them).
   void dequantize_weights();
   bool is_quantized() const;
-  // A random model whose 4-bit tensors are still to be drawn (LoadOptions::draw_codes).
+  // 4-bit tensors still to be made: drawn (LoadOptions::draw_codes) or quantized from the
+  // folder (LoadOptions::defer_quantize).
   bool codes_deferred() const { return codes_deferred_; }
-  // Bytes [begin, end) of one stored tensor of 4-bit parameter `param`, as drawn.
-  void draw_4bit_bytes(size_t param, Tensor quant::QuantizedWeight::*field, int64_t begin,
-                       int64_t end, uint8_t* out) const;
-  // Draws every deferred 4-bit tensor onto `dev`, one weight at a time.
+  // Deferred weights quantized from the folder whose nested offsets are not all known here yet
+  // (each is set on the rank that quantized the weight; set_4bit_offsets gives the rest).
+  bool offsets_pending() const { return offsets_pending_; }
+  void set_4bit_offsets(const std::vector<float>& offsets);  // one per parameter, 4-bit ones read
+  // Bytes [begin, end) of one stored tensor of deferred 4-bit parameter `param`: drawn, or taken
+  // from the weight quantized on the first request (the latest one is kept for the next).
+  void deferred_4bit_bytes(size_t param, Tensor quant::QuantizedWeight::*field, int64_t begin,
+                           int64_t end, uint8_t* out);
+  // How many weights deferred_4bit_bytes made from the folder (quantized, or read when stored
+  // 4-bit); drop_4bit_cache frees the latest.
+  int64_t deferred_quantized() const { return deferred_quantized_; }
+  void drop_4bit_cache();
+  // Makes every deferred 4-bit tensor on `dev`, one weight at a time.
   void materialize_4bit(Device dev);
   // Bytes the 4-bit weights take (packed nibbles, scales, maps).
   size_t quantized_bytes() const;
@@ -260,6 +277,14 @@ class LlamaModel {
   std::optional<quant::QuantConfig> qcfg_;  // quantization_config of a 4-bit model
   bool codes_deferred_ = false;
   uint64_t codes_seed_ = 0;
+  // LoadOptions::defer_quantize: the folder, the latest weight quantized from it.
+  std::shared_ptr<const WeightFiles> deferred_files_;
+  size_t cached_param_ = SIZE_MAX;
+  quant::QuantizedWeight cached_;
+  int64_t deferred_quantized_ = 0;
+  bool offsets_pending_ = false;
+  // The deferred 4-bit weight `param`, quantized from the folder (cached_).
+  const quant::QuantizedWeight& quantize_deferred(size_t param);
 };
 
 // Closed-form inverse frequencies with the config's rope scaling (float64).

@@ -109,9 +109,10 @@ std::vector<std::pair<std::string, Tensor>> state_dict(const std::string& key,
 // Whether `key` is stored quantized (a quant-state tensor accompanies it).
 bool is_quantized(const WeightFiles& w, const std::string& key);
 // Reads and checks a quantized weight (owned CPU copies). `expect_shape` (when not empty) is the
-// shape the architecture implies. Errors name the file and the tensor.
+// shape the architecture implies. Errors name the file and the tensor. `tensors` false: the
+// scalars only (the tensors checked, not read).
 QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
-                               const Shape& expect_shape = {});
+                               const Shape& expect_shape = {}, bool tensors = true);
 
 // Quantization settings of a bitsandbytes 4-bit model (config.json's quantization_config).
 struct QuantConfig {

@@ -196,7 +196,7 @@ void check_state_tensors(const WeightFiles& w, const std::string& key, const std
 }  // namespace
 
 QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
-                               const Shape& expect_shape) {
+                               const Shape& expect_shape, bool tensors) {
   QuantizedWeight q;
   std::string qs_key = key + "." + quant_state_suffix(QuantType::NF4);
   if (!w.has(qs_key)) qs_key = key + "." + quant_state_suffix(QuantType::FP4);
@@ -205,6 +205,7 @@ QuantizedWeight load_quantized(const WeightFiles& w, const std::string& key,
               quant_state_suffix(QuantType::NF4));
   read_quant_state(w, key, qs_key, expect_shape, q);
   check_state_tensors(w, key, qs_key, q);
+  if (!tensors) return q;
   const int64_t n = q.numel(), nb = q.n_blocks();
   const size_t want_bytes = size_t((n + 1) / 2);
   Tensor packed = w.get(key);

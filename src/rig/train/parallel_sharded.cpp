@@ -207,6 +207,10 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
   auto& ps = model.params();
   const Device dev = model.device();
   const int r = comm.rank();
+  // Weights quantized on demand from the folder: the nested offset of each, from the rank whose
+  // slice starts its packed bytes (it quantized the weight), to every rank.
+  const bool share_offsets = model.offsets_pending();
+  std::vector<float> offsets(ps.size(), 0.0f);
   auto stored = [&](const Unit::Piece& pc) -> const Tensor& {
     return pc.field ? (*ps[pc.param].quant).*pc.field : ps[pc.param].value;
   };
@@ -240,10 +244,12 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
         if (t.defined()) {
           mine.slice_rows(lo - b, hi - b).copy_from(bytes_of(t).slice_rows(lo - pb, hi - pb));
         } else {
-          // A random model's 4-bit weight: draw just this rank's bytes of it.
-          Tensor host = Tensor::empty({hi - lo}, DType::U8, Device::cpu(), "drawn 4-bit bytes");
-          model.draw_4bit_bytes(pc.param, pc.field, lo - pb, hi - pb, host.data<uint8_t>());
+          // A deferred 4-bit weight (drawn, or quantized from the folder): just this rank's bytes.
+          Tensor host = Tensor::empty({hi - lo}, DType::U8, Device::cpu(), "4-bit bytes");
+          model.deferred_4bit_bytes(pc.param, pc.field, lo - pb, hi - pb, host.data<uint8_t>());
           mine.slice_rows(lo - b, hi - b).copy_from(host);
+          if (pc.field == &quant::QuantizedWeight::packed && lo == pb)
+            offsets[pc.param] = ps[pc.param].quant->nested_offset;
         }
       }
       of_group_[units_[k].group].push_back(k);
@@ -286,6 +292,14 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
     }
     of_group_[units_[k].group].push_back(k);
     state_.push_back(std::move(u));
+  }
+  model.drop_4bit_cache();
+  if (share_offsets) {
+    Tensor t = Tensor::from_f32(offsets, {int64_t(offsets.size())});
+    if (!comm.device().is_cpu()) t = t.to(comm.device(), "4-bit offsets");
+    comm.all_reduce(t, dist::ReduceOp::Sum);  // one rank's value, zeros from the others
+    t = t.to(Device::cpu(), "4-bit offsets");
+    model.set_4bit_offsets(std::vector<float>(t.f32(), t.f32() + t.numel()));
   }
   for (auto& p : ps) {
     p.value = p.compute = Tensor();

@@ -46,8 +46,9 @@ struct TrainHooks {
 // Runs (or resumes, when run_dir holds a checkpoint and cfg.resume allows it) a training run.
 TrainResult train(const TrainConfig& cfg, const TrainHooks& hooks = {});
 
-// Builds the model a config describes (pretrained or random, with LoRA attached).
-std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg);
+// Builds the model a config describes (pretrained or random, with LoRA attached). `sharded`: for
+// a rank of a sharded run, which makes only the 4-bit bytes its shards hold (Sharded).
+std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, bool sharded = false);
 
 // Held-out evaluation helpers, shared by `rig eval`.
 struct EvalResult {

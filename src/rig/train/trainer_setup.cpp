@@ -121,7 +121,7 @@ std::string global_batch_hash(TrainConfig c, int world) {
   return c.config_hash();
 }
 
-std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
+std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, bool sharded) {
   std::unique_ptr<LlamaModel> m;
   const bool qlora = cfg.method == "qlora";
   if (cfg.init == "random") {
@@ -142,9 +142,11 @@ std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg) {
   } else {
     if (cfg.model.empty()) bad_input("{}: set 'model' to a Hugging Face model folder", cfg.source);
     // QLoRA: a bitsandbytes 4-bit folder loads as it is; a bf16/fp32 one is quantized to NF4
-    // (blocks of 64, double quantization) one tensor at a time while it loads.
+    // (blocks of 64, double quantization) one tensor at a time while it loads, or, sharded,
+    // only the tensors whose bytes this rank's shards hold.
     LoadOptions lo;
     lo.quantize = qlora;
+    lo.defer_quantize = qlora && sharded;
     m = LlamaModel::load(cfg.model, lo);
     if (!qlora && m->is_quantized())
       bad_input(
@@ -315,7 +317,7 @@ void Trainer::setup_model() {
   data_ = load_data(cfg_, *tok_);
   // Written once the data has loaded: bad data stops the run before it leaves anything behind.
   if (lead_) save_run_config(cfg_, run_);
-  model_ = build_model(cfg_);
+  model_ = build_model(cfg_, sharding_);
   place_model(*model_, cfg_, dev_, precision_);
   if (!sharding_) model_->materialize_4bit(dev_);  // sharded ranks draw their own bytes
   if (tok_->vocab_size() > model_->config().vocab_size)
@@ -396,9 +398,15 @@ void Trainer::restore(const LoadedCheckpoint& ck) {
 }
 
 void Trainer::reload_frozen() {
-  auto fresh = build_model(cfg_);
+  auto fresh = build_model(cfg_, bool(shard_));
   fresh->set_compute_dtype(model_->compute_dtype());
   if (shard_) {
+    // Only this rank reloads: the 4-bit offsets it would otherwise share are the run's own.
+    if (fresh->offsets_pending()) {
+      std::vector<float> offsets;
+      for (const auto& p : model_->params()) offsets.push_back(p.quant ? p.quant->nested_offset : 0);
+      fresh->set_4bit_offsets(offsets);
+    }
     Sharded slices(*comm_, *fresh);  // this rank's slices of the fresh weights (no communication)
     auto mine = shard_->frozen_shards(), theirs = slices.frozen_shards();
     for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_from(theirs[i]);

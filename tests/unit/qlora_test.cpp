@@ -228,6 +228,42 @@ TEST(QLoRA, DeferredQuantizationMakesTheBitsandbytesBytesOnDemand) {
   }
 }
 
+// A frozen bf16 base loaded as bf16 (LoadOptions::frozen_bf16) ends as the float32 detour ends
+// after set_compute_dtype(BF16): every parameter the same dtype and bytes, LoRA and QLoRA.
+TEST(QLoRA, FrozenBf16BaseLoadsAsTheFloat32DetourEnds) {
+  for (bool quantize : {false, true}) {
+    LoadOptions lo;
+    lo.quantize = quantize;
+    auto detour = LlamaModel::load(kBf16, lo);
+    lo.frozen_bf16 = true;
+    auto direct = LlamaModel::load(kBf16, lo);
+    const Param* emb = direct->find_param("model.embed_tokens.weight");
+    ASSERT_TRUE(emb);
+    EXPECT_EQ(emb->value.dtype(), DType::BF16) << "no float32 copy of the embedding on the host";
+    for (auto* m : {detour.get(), direct.get()}) {
+      m->add_lora(LoraConfig{}, 3);
+      m->set_compute_dtype(DType::BF16);
+    }
+    ASSERT_EQ(detour->params().size(), direct->params().size());
+    for (size_t i = 0; i < detour->params().size(); ++i) {
+      const Param &a = detour->params()[i], &b = direct->params()[i];
+      ASSERT_EQ(a.name, b.name);
+      EXPECT_EQ(a.value.defined(), b.value.defined()) << a.name;
+      if (a.value.defined()) {
+        EXPECT_TRUE(same_bytes(a.value, b.value)) << a.name;
+      }
+      EXPECT_EQ(a.compute.defined(), b.compute.defined()) << a.name;
+      if (a.compute.defined()) {
+        EXPECT_TRUE(same_bytes(a.compute, b.compute)) << a.name;
+      }
+      if (a.quant) {
+        ASSERT_TRUE(b.quant) << a.name;
+        EXPECT_TRUE(same_bytes(a.quant->packed, b.quant->packed)) << a.name;
+      }
+    }
+  }
+}
+
 TEST(QLoRA, QuantizeWhileLoadingReproducesTheBitsandbytesFolder) {
   LoadOptions lo;
   lo.quantize = true;

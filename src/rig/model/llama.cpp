@@ -227,6 +227,10 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadO
       *p.quant = quant::quantize_4bit(src, opt.quant_type, opt.blocksize, opt.double_quant);
       continue;
     }
+    if (opt.frozen_bf16 && p.compute_operand && info.dtype == DType::BF16) {
+      p.value = w.get(p.name).clone("weight");  // what set_compute_dtype(BF16) would make
+      continue;
+    }
     p.value.copy_from(w.get_f32(p.name));
   }
   if (m->is_quantized()) {

@@ -62,6 +62,10 @@ struct LoadOptions {
   // cover, not the whole model, and never holds the whole 4-bit model on the host. A weight's
   // nested offset is known only where it was quantized (Sharded shares them).
   bool defer_quantize = false;
+  // The caller freezes the base (LoRA, QLoRA) and computes in bf16 (set_compute_dtype before
+  // use): matrices the products read that the folder stores in bf16 are kept as they are,
+  // not widened to float32 on the host and narrowed again (half the host memory, no casts).
+  bool frozen_bf16 = false;
 };
 
 // input_ids and labels [B, T] int64; labels -100 are ignored and shifted inside the loss.

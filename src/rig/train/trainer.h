@@ -46,9 +46,12 @@ struct TrainHooks {
 // Runs (or resumes, when run_dir holds a checkpoint and cfg.resume allows it) a training run.
 TrainResult train(const TrainConfig& cfg, const TrainHooks& hooks = {});
 
-// Builds the model a config describes (pretrained or random, with LoRA attached). `sharded`: for
-// a rank of a sharded run, which makes only the 4-bit bytes its shards hold (Sharded).
-std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, bool sharded = false);
+// Builds the model a config describes (pretrained or random, with LoRA attached).
+struct BuildOptions {
+  bool sharded = false;  // a rank of a sharded run: it makes only the 4-bit bytes its shards hold
+  bool bf16 = false;     // bf16 compute follows: a LoRA/QLoRA base stored in bf16 stays bf16
+};
+std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, const BuildOptions& b = {});
 
 // Held-out evaluation helpers, shared by `rig eval`.
 struct EvalResult {

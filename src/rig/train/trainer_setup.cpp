@@ -121,7 +121,7 @@ std::string global_batch_hash(TrainConfig c, int world) {
   return c.config_hash();
 }
 
-std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, bool sharded) {
+std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, const BuildOptions& b) {
   std::unique_ptr<LlamaModel> m;
   const bool qlora = cfg.method == "qlora";
   if (cfg.init == "random") {
@@ -146,7 +146,8 @@ std::unique_ptr<LlamaModel> build_model(const TrainConfig& cfg, bool sharded) {
     // only the tensors whose bytes this rank's shards hold.
     LoadOptions lo;
     lo.quantize = qlora;
-    lo.defer_quantize = qlora && sharded;
+    lo.defer_quantize = qlora && b.sharded;
+    lo.frozen_bf16 = b.bf16 && (qlora || cfg.method == "lora");
     m = LlamaModel::load(cfg.model, lo);
     if (!qlora && m->is_quantized())
       bad_input(
@@ -317,7 +318,7 @@ void Trainer::setup_model() {
   data_ = load_data(cfg_, *tok_);
   // Written once the data has loaded: bad data stops the run before it leaves anything behind.
   if (lead_) save_run_config(cfg_, run_);
-  model_ = build_model(cfg_, sharding_);
+  model_ = build_model(cfg_, {sharding_, precision_ == "bf16"});
   place_model(*model_, cfg_, dev_, precision_);
   if (!sharding_) model_->materialize_4bit(dev_);  // sharded ranks draw their own bytes
   if (tok_->vocab_size() > model_->config().vocab_size)
@@ -398,7 +399,7 @@ void Trainer::restore(const LoadedCheckpoint& ck) {
 }
 
 void Trainer::reload_frozen() {
-  auto fresh = build_model(cfg_, bool(shard_));
+  auto fresh = build_model(cfg_, {bool(shard_), model_->compute_dtype() == DType::BF16});
   fresh->set_compute_dtype(model_->compute_dtype());
   if (shard_) {
     // Only this rank reloads: the 4-bit offsets it would otherwise share are the run's own.

@@ -15,14 +15,13 @@
 
 namespace rig::test {
 
-inline std::string data_path(const std::string& rel) {
-  return std::string(RIG_TEST_DATA) + "/" + rel;
-}
-
 // A path compiled in, unless the environment moves it (the GPU tests run from a bundle elsewhere).
 inline std::string path_or_env(const char* name, const char* compiled) {
   const char* v = std::getenv(name);
   return v && *v ? v : compiled;
+}
+inline std::string data_path(const std::string& rel) {
+  return path_or_env("RIG_TEST_DATA", RIG_TEST_DATA) + "/" + rel;
 }
 inline std::string source_dir() {
   return path_or_env("RIG_SOURCE_DIR", RIG_SOURCE_DIR);

@@ -169,6 +169,18 @@ Param* LlamaModel::find_param(const std::string& name) {
   return nullptr;
 }
 
+namespace {
+// A float weight of the folder quantized as bitsandbytes' quantize_4bit does (float64 first read
+// as float32): one float tensor in memory at a time.
+quant::QuantizedWeight quantize_stored(const WeightFiles& w, const std::string& name,
+                                       quant::QuantType type, int64_t blocksize,
+                                       bool double_quant) {
+  Tensor src = w.get(name);
+  if (src.dtype() == DType::F64) src = src.to_dtype(DType::F32);
+  return quant::quantize_4bit(src, type, blocksize, double_quant);
+}
+}  // namespace
+
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadOptions& opt) {
   ModelConfig cfg = ModelConfig::load(dir);
   const auto qcfg =
@@ -221,10 +233,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& dir, const LoadO
       continue;
     }
     if (p.quant) {
-      // Quantize while loading: one float tensor in memory at a time.
-      Tensor src = w.get(p.name);
-      if (src.dtype() == DType::F64) src = src.to_dtype(DType::F32);
-      *p.quant = quant::quantize_4bit(src, opt.quant_type, opt.blocksize, opt.double_quant);
+      *p.quant = quantize_stored(w, p.name, opt.quant_type, opt.blocksize, opt.double_quant);
       continue;
     }
     if (opt.frozen_bf16 && p.compute_operand && info.dtype == DType::BF16) {
@@ -303,9 +312,8 @@ const quant::QuantizedWeight& LlamaModel::quantize_deferred(size_t param) {
     if (quant::is_quantized(*deferred_files_, p.name)) {
       cached_ = quant::load_quantized(*deferred_files_, p.name, p.shape());
     } else {
-      Tensor src = deferred_files_->get(p.name);
-      if (src.dtype() == DType::F64) src = src.to_dtype(DType::F32);
-      cached_ = quant::quantize_4bit(src, p.quant->type, p.quant->blocksize, p.quant->nested);
+      cached_ = quantize_stored(*deferred_files_, p.name, p.quant->type, p.quant->blocksize,
+                                p.quant->nested);
     }
     cached_param_ = param;
     ++deferred_quantized_;

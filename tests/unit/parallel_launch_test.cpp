@@ -192,3 +192,35 @@ TEST(Parallel, SigintToTheLauncherCheckpointsOnEveryRankAtOneStep) {
   EXPECT_TRUE(fs::exists(ck->dir + "/shard-1-of-2.safetensors"));
   for (pid_t w : workers) EXPECT_FALSE(alive(w));
 }
+
+// Sharded QLoRA whose whole 4-bit base (about 41 MiB gathered with one decoded weight) does not
+// fit beside a rank's shard in max_memory: training fits, exact-match generation would not, and
+// the run is refused before its first step instead of stopping out of memory at the first
+// evaluation.
+TEST(Parallel, ShardedGenerationLargerThanTheBudgetIsRefusedAtStart) {
+  const std::string out = test::temp_dir("par_gen_budget");
+  auto run = [&](int generate) {
+    return test::run_rig(fmt::format(
+        "train {}/configs/demo.yaml --quiet --nproc-per-node 2 --output {}/gen{} --set "
+        "device=cpu method=qlora strategy=sharded architecture.hidden_size=1024 "
+        "architecture.intermediate_size=2048 architecture.num_hidden_layers=6 "
+        "architecture.num_attention_heads=8 architecture.num_key_value_heads=4 "
+        "tokenizer={}/data/demo/tokenizer.json datasets.0.path={}/data/demo/reverse.jsonl "
+        "sequence_len=32 micro_batch_size=1 max_steps=2 schedule.warmup_steps=0 save.every=0 "
+        "eval.every=2 eval.batches=1 eval.generate={} max_memory=56MiB",
+        kSrc, out, generate, kSrc, kSrc, generate));
+  };
+  auto loss_only = run(0);
+  ASSERT_EQ(loss_only.code, 0) << loss_only.out;
+  EXPECT_TRUE(fs::exists(out + "/gen0/final/adapter_model.safetensors"));
+  auto refused = run(2);
+  EXPECT_NE(refused.code, 0) << refused.out;
+  EXPECT_NE(refused.out.find("demo.yaml: eval.generate 2 generates with the whole model gathered "
+                             "on every rank"),
+            std::string::npos)
+      << refused.out;
+  EXPECT_NE(refused.out.find("of 56.00 MiB); set eval.generate: 0"), std::string::npos)
+      << refused.out;
+  EXPECT_FALSE(fs::exists(out + "/gen2/metrics.jsonl")) << "refused before the first step";
+  EXPECT_FALSE(fs::exists(out + "/gen2/final"));
+}

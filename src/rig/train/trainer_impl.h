@@ -66,6 +66,7 @@ class Trainer {
   void setup_model();
   void setup_optimizer();
   void setup_strategy();
+  void check_generation_fits() const;
   // ---- resume and rollback (trainer_setup.cpp) ----
   // The newest checkpoint that passes verification: rank 0 verifies, sets rejected ones aside
   // and tells the others which. Sets choice_ (a step, kNoCheckpoint or kAllRejected).

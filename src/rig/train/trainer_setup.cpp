@@ -343,7 +343,10 @@ void Trainer::setup_strategy() {
   loader_ = std::make_unique<DataLoader>(data_.train, lo);
   total_ = planned_steps(cfg_, *data_.train, world_);
   accum_ = cfg_.gradient_accumulation_steps;
-  if (sharding_) shard_ = std::make_unique<Sharded>(*comm_, *model_, opt_.get());
+  if (sharding_) {
+    shard_ = std::make_unique<Sharded>(*comm_, *model_, opt_.get());
+    check_generation_fits();
+  }
   if (comm_ && !sharding_)
     ddp_ = std::make_unique<DataParallel>(*comm_, *model_, size_t(cfg_.dist.bucket_mb * (1 << 20)),
                                           int(cfg_.dist.powersgd_rank), cfg_.seed);
@@ -352,6 +355,27 @@ void Trainer::setup_strategy() {
   spikes_ =
       SpikeDetector(SpikeRule{cfg_.guard.spike_window, cfg_.guard.spike_warmup, cfg_.guard.spike_k,
                               cfg_.guard.spike_loss_ratio, cfg_.guard.spike_grad_ratio});
+}
+
+// Exact match generates with the whole model on every rank (the held-out loss runs layer by
+// layer). A base larger than the budget is refused here, not by an out-of-memory stop at the
+// first evaluation, hours in.
+void Trainer::check_generation_fits() const {
+  if (cfg_.eval.generate <= 0 || !data_.eval || !alloc_->budget()) return;
+  double whole = 0;  // what gather_all makes on every rank: every unit, in float32 words
+  for (const auto& u : shard_->units()) whole += 4.0 * double(u.flat_numel());
+  double decoded = 0;  // a 4-bit weight is decoded while its product runs: the largest one
+  for (const auto& p : model_->params())
+    if (p.quant) decoded = std::max(decoded, double(p.numel()) * (precision_ == "bf16" ? 2 : 4));
+  const double need = whole + decoded;  // at least: the KV cache and logits come on top
+  const double room = double(alloc_->budget()) - double(alloc_->in_use());
+  if (need > room)
+    bad_input("{}: eval.generate {} generates with the whole model gathered on every rank (at "
+              "least {}), more than max_memory leaves ({} of {}); set eval.generate: 0 (the "
+              "held-out loss is computed layer by layer) and measure exact match after training "
+              "with rig eval --generate",
+              cfg_.source, cfg_.eval.generate, format_bytes(need), format_bytes(room),
+              format_bytes(double(cfg_.max_memory)));
 }
 
 void Trainer::restore(const LoadedCheckpoint& ck) {

@@ -70,10 +70,11 @@ c)
   cp "$run/metrics.jsonl" "$out/70b-metrics.jsonl" 2>/dev/null
   cp "$run/train.log" "$out/70b-train.log" 2>/dev/null
   grep -h -E 'share|peak reserved|step 1:|step 20:' "$run/train.log" | head
-  # What the planner predicts per card for the same job (sequence length as run).
+  # What the planner predicts per card for the same job: the config's LoRA targets, optimizer and
+  # checkpointing, the sequence length as run.
   seq70=$(echo "${EXTRA70:-}" | grep -o 'sequence_len=[0-9]*' | cut -d= -f2)
-  "$R" plan --model llama3-70b --method qlora --rank 16 --seq "${seq70:-2048}" --micro-batch 1 \
-    --checkpointing full --strategy fsdp --optimizer adamw --gpus 4x4090 --json > "$out/70b-plan.json" 2>&1
-  echo "plan rc $?"; grep -o '"total[^,]*' "$out/70b-plan.json" | head -3
+  "$R" plan -c configs/llama3-70b-qlora-4x24gb.yaml --model llama3-70b --seq "${seq70:-2048}" \
+    --gpus 4x4090 --json > "$out/70b-plan.json" 2>&1
+  echo "plan rc $?"; grep -o '"allocator_peak[^,]*' "$out/70b-plan.json" | head -1
   ;;
 esac; done

@@ -218,6 +218,33 @@ TEST_P(GpuTools, GreedyGenerationMatchesTheCpu) {
               dtype_label(dt), agree_until, want.size(), st.decode_tokens_per_s());
 }
 
+// rig generate and rig eval in bf16 load a folder's bf16 base as it is (LoadOptions::frozen_bf16)
+// instead of through float32 on the host: the same device weights, so the same logits, bit for
+// bit, and the same tokens.
+TEST(GpuToolsBf16, Bf16FolderLoadedAsBf16DecodesAsThroughFloat32) {
+  REQUIRE_GPU();
+  const std::string dir = temp_dir("gpu_bf16_generate") + "/model";
+  LlamaModel::load(data("hf/tiny-llama3/model"))->save_pretrained(dir, DType::BF16);
+  LoadOptions direct_opt;
+  direct_opt.frozen_bf16 = true;
+  auto detour = LlamaModel::load(dir), direct = LlamaModel::load(dir, direct_opt);
+  const ComputeTarget t{Device::cuda(0), DType::BF16};
+  place_for_inference(*detour, t);
+  place_for_inference(*direct, t);
+  const std::vector<int32_t> prompt = random_prompt(detour->config().vocab_size, 11, 5);
+  auto a = detour->new_cache(24), b = direct->new_cache(24);
+  std::vector<int64_t> feed(prompt.begin(), prompt.end());
+  for (int s = 0; s < 6; ++s) {
+    const std::vector<float> la = detour->decode(a, feed), lb = direct->decode(b, feed);
+    ASSERT_EQ(la.size(), lb.size());
+    EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)), 0) << "step " << s;
+    feed = {int64_t(std::max_element(la.begin(), la.end()) - la.begin())};
+  }
+  GenerateOptions o;
+  o.max_new_tokens = 8;
+  EXPECT_EQ(generate(*detour, prompt, o), generate(*direct, prompt, o));
+}
+
 INSTANTIATE_TEST_SUITE_P(TinyModels, GpuTools,
                          ::testing::Combine(::testing::Values("tiny-llama3", "tiny-qwen3"),
                                             ::testing::Values(DType::F32, DType::BF16)),

@@ -226,6 +226,15 @@ void cuda_copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev,
   RIG_CUDA_CHECK(cudaMemcpy(dst, src, n, kind));
 }
 
+size_t cuda_runtime_total_memory(int index) {
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, index) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return p.totalGlobalMem;
+}
+
 int cuda_runtime_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

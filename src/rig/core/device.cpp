@@ -12,6 +12,7 @@ namespace rig {
 Allocator& cuda_allocator(int index);
 bool cuda_runtime_available();
 int cuda_runtime_device_count();
+size_t cuda_runtime_total_memory(int index);
 void cuda_copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n);
 void cuda_memset_zero(void* p, size_t n, int index);
 void* cuda_host_alloc(size_t bytes);  // nullptr when page-locked memory is not to be had
@@ -46,6 +47,15 @@ int cuda_device_count() {
 #ifdef RIG_WITH_CUDA
   return cuda_runtime_available() ? cuda_runtime_device_count() : 0;
 #else
+  return 0;
+#endif
+}
+
+size_t cuda_total_memory(int index) {
+#ifdef RIG_WITH_CUDA
+  return cuda_runtime_available() ? cuda_runtime_total_memory(index) : 0;
+#else
+  (void)index;
   return 0;
 #endif
 }

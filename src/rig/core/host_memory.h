@@ -6,6 +6,7 @@
 namespace rig {
 
 int cuda_device_count();  // 0 in a build without CUDA or on a machine without a GPU
+size_t cuda_total_memory(int index);  // the GPU's memory in bytes; 0 without CUDA
 // Host memory for staging copies to and from GPUs: page-locked when a GPU is visible (copies run
 // at full speed and need no bounce buffer), plain otherwise. Freed with the last reference.
 std::shared_ptr<void> pinned_host_block(size_t bytes);

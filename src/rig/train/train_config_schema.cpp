@@ -324,7 +324,9 @@ std::vector<ConfigSection> make_sections() {
                        "the tensor named. The CUDA context and the libraries' own memory come on "
                        "top: leave about 1 GiB for them (measured in `docs/cuda-backend.md`). "
                        "Ranks sharing a GPU through CUDA IPC keep a 32 MiB staging buffer each, "
-                       "taken off this budget. At the start `train.log` gives `rig plan`'s "
+                       "taken off this budget; with none set, ranks sharing a GPU each get an "
+                       "even share of it less 1 GiB for their context. At the start `train.log` "
+                       "gives `rig plan`'s "
                        "predicted peak beside it, and a job predicted over it is warned about "
                        "before its first step."},
            }},

@@ -91,8 +91,8 @@ void Trainer::note_planned_memory() {
     note(fmt::format("rig plan cannot predict this job's memory: {}", e.what()));
     return;
   }
-  const double budget = double(cfg_.max_memory);
-  if (!cfg_.max_memory) {
+  const double budget = double(max_memory_);
+  if (!max_memory_) {
     note(fmt::format("rig plan predicts a peak of {} per rank", format_bytes(peak)));
   } else if (peak <= budget) {
     note(fmt::format("rig plan predicts a peak of {} per rank, within max_memory {}",
@@ -129,9 +129,9 @@ void Trainer::report_rank_memory() {
   }
   json fields = {{"peak_reserved_gib", reserved}, {"peak_in_use_gib", used}};
   std::string budget;
-  if (cfg_.max_memory) {
-    fields["budget_gib"] = double(cfg_.max_memory) / kGiB;
-    budget = fmt::format(" (max_memory {:.2f} GiB)", double(cfg_.max_memory) / kGiB);
+  if (max_memory_) {
+    fields["budget_gib"] = double(max_memory_) / kGiB;
+    budget = fmt::format(" (max_memory {:.2f} GiB)", double(max_memory_) / kGiB);
   }
   event("memory", step_, fields,
         fmt::format("peak reserved device memory per rank: {} GiB{}", words, budget));

@@ -61,6 +61,7 @@ class Trainer {
   // ---- setup (trainer_setup.cpp) ----
   void setup_device();
   void setup_ranks();
+  void share_gpu(int ranks_per_gpu);
   void find_resume_checkpoint();
   void check_resume_config() const;
   void setup_model();
@@ -135,6 +136,7 @@ class Trainer {
   bool lead_ = true, sharding_ = false;
   std::string strategy_name_;
   std::string placement_;  // how the ranks sit on the GPUs, for the log
+  uint64_t max_memory_ = 0;  // cfg_.max_memory, or by default an even share of a shared GPU
   Allocator* alloc_ = nullptr;
   std::string run_;  // the run folder
   Injector injector_;

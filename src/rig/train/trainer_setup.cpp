@@ -172,13 +172,14 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainHooks& hooks) : cfg_(cfg), h
   setup_device();
   setup_ranks();
   alloc_ = &allocator_for(dev_);
-  if (cfg_.max_memory) {
+  if (!max_memory_) max_memory_ = cfg_.max_memory;
+  if (max_memory_) {
     // The cap counts what the communicator holds on the device outside the allocator too.
     const size_t outside = comm_ ? comm_->device_bytes() : 0;
-    if (outside >= cfg_.max_memory)
+    if (outside >= max_memory_)
       bad_input("{}: max_memory {} bytes leaves nothing beside the {} bytes of collective buffers",
-                cfg_.source, cfg_.max_memory, outside);
-    alloc_->set_budget(alloc_->in_use() + cfg_.max_memory - outside);
+                cfg_.source, max_memory_, outside);
+    alloc_->set_budget(alloc_->in_use() + max_memory_ - outside);
   }
   run_ = cfg_.output_dir;
   fs::create_directories(run_);
@@ -206,6 +207,18 @@ void Trainer::setup_device() {
 }
 
 // The ranks: handed in (tests), or this process is one worker of a launched run.
+// Ranks sharing a GPU with no max_memory each get an even share of it, less a CUDA context each
+// (about 1 GiB, docs/cuda-backend.md): one rank's cache cannot starve the others, and a rank
+// past its share stops naming the tensor and the budget.
+void Trainer::share_gpu(int ranks_per_gpu) {
+  if (cfg_.max_memory || !dev_.is_cuda() || ranks_per_gpu <= 1) return;
+  const uint64_t total = cuda_total_memory(dev_.index), context = uint64_t(1) << 30;
+  if (total / uint64_t(ranks_per_gpu) <= 2 * context) return;
+  max_memory_ = total / uint64_t(ranks_per_gpu) - context;
+  placement_ += fmt::format("; max_memory not set: each rank may reserve {} of the GPU's {}",
+                            format_bytes(double(max_memory_)), format_bytes(double(total)));
+}
+
 void Trainer::setup_ranks() {
   comm_ = hooks_.comm;
   if (!comm_) {
@@ -226,6 +239,7 @@ void Trainer::setup_ranks() {
       }
       dev_ = where.device;
       placement_ = where.describe(env.local_world);
+      share_gpu(where.ranks_per_gpu);
       dist::CommOptions co;
       co.timeout = dist::Millis(int64_t(cfg_.dist.timeout_s * 1000));
       group_ = dist::init_group(env, where, co);
@@ -375,7 +389,7 @@ void Trainer::check_generation_fits() const {
               "held-out loss is computed layer by layer) and measure exact match after training "
               "with rig eval --generate",
               cfg_.source, cfg_.eval.generate, format_bytes(need), format_bytes(room),
-              format_bytes(double(cfg_.max_memory)));
+              format_bytes(double(max_memory_)));
 }
 
 void Trainer::restore(const LoadedCheckpoint& ck) {

@@ -256,6 +256,22 @@ TEST(Trainer, BadConfigAndDataAreClearErrors) {
   EXPECT_FALSE(fs::exists(dir + "/run/final"));
 }
 
+// A recipe names its model as on the Hugging Face Hub; on a machine that has not downloaded it,
+// the run says what to do instead of naming a missing tokenizer file.
+TEST(Trainer, ModelNotDownloadedSaysHowToGetIt) {
+  const std::string dir = test::temp_dir("not-downloaded");
+  auto r = test::run_rig("train " + std::string(RIG_SOURCE_DIR) +
+                         "/configs/llama3-70b-qlora-4x24gb.yaml --quiet --set device=cpu --set "
+                         "precision=fp32 --output " + dir + "/run");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("model: 'meta-llama/Meta-Llama-3-70B' is not a folder here"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("huggingface-cli download meta-llama/Meta-Llama-3-70B"), std::string::npos)
+      << r.out;
+  EXPECT_FALSE(fs::exists(dir + "/run/final"));
+}
+
 TEST(Trainer, PretokenizedIdOutsideTheVocabularyIsCaughtAtLoad) {
   // Row 1 of a pre-tokenized file holds id 300; the demo model's vocabulary is 264. The error
   // names the file, the row and the column before the run folder gets a config or metrics.

@@ -57,7 +57,15 @@ std::string tokenizer_path(const TrainConfig& cfg) {
   std::string p = cfg.tokenizer.empty() ? cfg.model : cfg.tokenizer;
   if (p.empty())
     bad_input("{}: no tokenizer: set 'tokenizer' (a tokenizer.json or a model folder)", cfg.source);
+  // A model named as on the Hugging Face Hub and not downloaded: rig reads local folders only.
+  if (cfg.tokenizer.empty() && !fs::exists(p))
+    bad_input("{}: model: '{}' is not a folder here; rig reads a Hugging Face model folder on "
+              "disk: download it first (`huggingface-cli download {} --local-dir models/{}`) and "
+              "set model: to that folder",
+              cfg.source, p, p, fs::path(p).filename().string());
   if (fs::is_directory(p)) p = (fs::path(p) / "tokenizer.json").string();
+  if (!fs::exists(p) && cfg.tokenizer.empty())
+    bad_input("{}: the model folder has no {} (set tokenizer:)", cfg.source, p);
   if (!fs::exists(p)) bad_input("{}: tokenizer file {} does not exist", cfg.source, p);
   return p;
 }

@@ -1,5 +1,7 @@
 // Cases of the generic op harness: the matrix products, the element-wise ops and the loss.
 #pragma once
+#include <array>
+#include <cmath>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -216,6 +218,95 @@ inline void add_loss_cases(std::vector<OpCase>& cs) {
     c.seeds = {{"row_loss", ""}};
     c.grads = {{"logits", "dlogits", "", grad_scale}};
     c.f32_outputs = {"row_loss"};  // float32 reductions of identical inputs
+    cs.push_back(c);
+  }
+  // The loss over a vocabulary in three column slices (a sharded head's), against float64
+  // log-softmax over the joined rows; the finite differences check the slices' gradients.
+  for (auto [rows, v] :
+       {std::pair<int64_t, std::array<int64_t, 3>>{37, {4000, 4000, 1203}}, {5, {3, 4, 1}}}) {
+    OpCase c;
+    c.op = "cross_entropy_slice";
+    c.shape = fmt::format("rows={} V={}+{}+{}", rows, v[0], v[1], v[2]);
+    for (int i = 0; i < 3; ++i)
+      c.in.push_back({fmt::format("l{}", i), {rows, v[size_t(i)]}, Kind::Data, 3.0f});
+    const int64_t V = v[0] + v[1] + v[2];
+    c.make = [rows, V](Tensors& t, std::mt19937& g) {
+      std::vector<int64_t> tv(static_cast<size_t>(rows));
+      std::uniform_int_distribution<int64_t> u(0, V - 1);
+      for (int64_t r = 0; r < rows; ++r) tv[size_t(r)] = r % 7 == 3 ? -100 : u(g);
+      tv[0] = V - 1;
+      t["targets"] = ints(tv, {rows});
+    };
+    const float grad_scale = rows * V > 1000 ? 1.0f / 33.0f : 1.0f;
+    c.forward = [grad_scale, V](const Tensors& t, const Ctx& x) {
+      const Tensor& tg = t.at("targets");
+      const int64_t rows = tg.numel();
+      std::vector<float> init(size_t(3 * rows), 0.0f);
+      for (int64_t r = 0; r < rows; ++r) init[size_t(3 * r)] = -INFINITY;
+      Tensor st = Tensor::from_f32(init, {rows, 3});
+      if (!x.dev.is_cpu()) st = st.to(x.dev, "stats");
+      int64_t v0 = 0;
+      for (const char* n : {"l0", "l1", "l2"}) {
+        ops::cross_entropy_slice(t.at(n), tg, v0, st);
+        v0 += t.at(n).dim(1);
+      }
+      Tensor rl = x.f32({rows});
+      ops::cross_entropy_finish(st, tg, V, rl);
+      Tensors out{{"row_loss", rl}};
+      v0 = 0;
+      for (int i = 0; i < 3; ++i) {
+        const Tensor& l = t.at(fmt::format("l{}", i));
+        Tensor d = x.data(l.shape());
+        d.copy_from(l);
+        ops::cross_entropy_slice_backward(d, tg, v0, st, grad_scale);
+        out[fmt::format("d{}", i)] = d;
+        v0 += l.dim(1);
+      }
+      return out;
+    };
+    c.reference = [grad_scale](const Tensors& t) {
+      const Tensor& tg = t.at("targets");
+      const int64_t rows = tg.numel();
+      std::vector<Tensor> l;
+      for (const char* n : {"l0", "l1", "l2"}) l.push_back(t.at(n));
+      std::vector<float> loss(size_t(rows), 0.0f);
+      std::vector<std::vector<float>> d;
+      for (const auto& x : l) d.emplace_back(size_t(x.numel()), 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t y = tg.data<int64_t>()[r];
+        if (y == -100) continue;
+        double mx = -INFINITY, sum = 0, zy = 0;
+        for (const auto& x : l)
+          for (int64_t j = 0; j < x.dim(1); ++j)
+            mx = std::max(mx, double(x.f32()[r * x.dim(1) + j]));
+        int64_t v0 = 0;
+        for (const auto& x : l) {
+          for (int64_t j = 0; j < x.dim(1); ++j) {
+            sum += std::exp(double(x.f32()[r * x.dim(1) + j]) - mx);
+            if (v0 + j == y) zy = x.f32()[r * x.dim(1) + j];
+          }
+          v0 += x.dim(1);
+        }
+        const double lse = mx + std::log(sum);
+        loss[size_t(r)] = float(lse - zy);
+        v0 = 0;
+        for (size_t i = 0; i < l.size(); ++i) {
+          for (int64_t j = 0; j < l[i].dim(1); ++j) {
+            const double p = std::exp(double(l[i].f32()[r * l[i].dim(1) + j]) - lse);
+            d[i][size_t(r * l[i].dim(1) + j)] = float((p - (v0 + j == y ? 1.0 : 0.0)) * grad_scale);
+          }
+          v0 += l[i].dim(1);
+        }
+      }
+      Tensors out{{"row_loss", Tensor::from_f32(loss, {rows})}};
+      for (size_t i = 0; i < l.size(); ++i)
+        out[fmt::format("d{}", i)] = Tensor::from_f32(d[i], l[i].shape());
+      return out;
+    };
+    c.seeds = {{"row_loss", ""}};
+    c.grads = {
+        {"l0", "d0", "", grad_scale}, {"l1", "d1", "", grad_scale}, {"l2", "d2", "", grad_scale}};
+    c.f32_outputs = {"row_loss"};
     cs.push_back(c);
   }
 }

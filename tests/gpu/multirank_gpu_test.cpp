@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -189,6 +189,73 @@ TEST(SharedGpu, Bf16FolderShardedOnFourRanksMatchesOneRank) {
   }
 }
 
+// The frozen bf16 lm_head read in slices of 300 of its 1000 vocabulary rows (RIG_HEAD_SLICE_BYTES,
+// as the 70B run's 2 GiB head is in 256 MiB slices). Four ranks with the head whole end as one
+// rank does to 1e-7 (the same products); with slices, the logits' products have other shapes, so
+// cuBLAS sums their 64 terms in another order and some bf16 logits round one unit apart. That moves
+// the losses by ~5e-5 and the first step's gradient norm by ~7e-5 (relative), but Adam's first
+// steps are lr * sign(gradient) for every element, so LoRA elements whose gradient is near zero
+// flip: measured on an H100 (2026-12-07), weights 4.7e-3 (QLoRA) and 5.4e-3 (LoRA) relative L2
+// after 6 steps, 1.25e-2 (1.25 lr) at most. The algorithm itself is held to float32 below.
+TEST(SharedGpu, HeadInSlicesOnFourRanksMatchesOneRank) {
+  REQUIRE_GPU();
+  const int64_t steps = 6;
+  auto grad_norms = [](const std::string& run) {
+    std::vector<double> out;
+    for (const auto& row : read_metrics(run + "/metrics.jsonl").rows)
+      if (row.contains("grad_norm")) out.push_back(row["grad_norm"]);
+    return out;
+  };
+  for (const std::string method : {"qlora", "lora"}) {
+    const std::string base = test::temp_dir("gpu_head_slices_" + method);
+    train_one(gpu_tiny(base + "/one", method, "sharded", 1, steps));
+    setenv("RIG_HEAD_SLICE_BYTES", "38400", 1);
+    train_ranks(
+        4, [&](int) { return gpu_tiny(base + "/four", method, "sharded", 4, steps); }, {}, on_gpu);
+    unsetenv("RIG_HEAD_SLICE_BYTES");
+    const auto a = losses(base + "/one"), b = losses(base + "/four");
+    ASSERT_EQ(a.size(), size_t(steps));
+    ASSERT_EQ(b.size(), size_t(steps));
+    for (size_t k = 0; k < a.size(); ++k)
+      EXPECT_LT(std::abs(b[k] - a[k]) / a[k], 2e-4) << method << " step " << k + 1;
+    const auto ga = grad_norms(base + "/one"), gb = grad_norms(base + "/four");
+    ASSERT_FALSE(ga.empty());
+    ASSERT_FALSE(gb.empty());
+    const double g1 = std::abs(gb[0] - ga[0]) / ga[0];
+    std::printf("%s: step 1 gradient norm %.6g vs %.6g (%.2e relative)\n", method.c_str(), gb[0],
+                ga[0], g1);
+    EXPECT_LT(g1, 5e-4) << method;
+    auto fa = SafeTensorsFile::open(final_file(base + "/one", method)),
+         fb = SafeTensorsFile::open(final_file(base + "/four", method));
+    double num = 0, den = 0;
+    for (const auto& t : fa.tensors()) {
+      Tensor x = fa.get_f32(t.name), y = fb.get_f32(t.name);
+      for (int64_t e = 0; e < x.numel(); ++e) {
+        num += std::pow(double(y.f32()[e]) - x.f32()[e], 2);
+        den += std::pow(double(x.f32()[e]), 2);
+      }
+    }
+    std::printf("%s: weights %.2e relative L2\n", method.c_str(), std::sqrt(num / den));
+    EXPECT_LT(std::sqrt(num / den), 2e-2) << method;
+  }
+}
+
+// The same in float32 on the GPU (the CPU test's arithmetic, the CUDA kernels): four ranks end as
+// one rank within float32 reduction order.
+TEST(SharedGpu, Fp32HeadInSlicesOnFourRanksMatchesOneRank) {
+  REQUIRE_GPU();
+  const int64_t steps = 4;
+  const std::vector<std::string> fp32 = {"device=cuda", "precision=fp32"};
+  const std::string base = test::temp_dir("gpu_head_slices_fp32");
+  train_one(tiny(base + "/one", "lora", "sharded", 1, steps, 2, 8, fp32));
+  setenv("RIG_HEAD_SLICE_BYTES", "76800", 1);
+  train_ranks(
+      4, [&](int) { return tiny(base + "/four", "lora", "sharded", 4, steps, 2, 8, fp32); }, {},
+      on_gpu);
+  unsetenv("RIG_HEAD_SLICE_BYTES");
+  expect_close_runs(base + "/one", base + "/four", "lora", size_t(steps), abs_tolerance("lora"));
+}
+
 // A sharded bf16 QLoRA run stopped on 4 ranks resumes on 2, then finishes on one process; it ends
 // where the uninterrupted one-rank run ends, within bf16's tolerance.
 TEST(SharedGpu, ShardedBf16QloraResumesFourThenTwoThenOneRank) {
@@ -209,22 +276,4 @@ TEST(SharedGpu, ShardedBf16QloraResumesFourThenTwoThenOneRank) {
       },
       on_gpu);
   expect_bf16_close(base + "/ref", run, "qlora", size_t(steps));
-}
-
-// Ranks sharing a GPU through CUDA IPC hold a staging buffer outside the allocator; max_memory
-// counts it, so a cap no larger than that buffer is refused before any model is placed (else
-// the budget left for the allocator would wrap around and lift the cap).
-TEST(SharedGpu, MaxMemoryNoLargerThanTheIpcStagingBufferIsRefused) {
-  REQUIRE_GPU();
-  const std::string run = test::temp_dir("gpu_shared_tiny_cap") + "/run";
-  try {
-    train_ranks(
-        2, [&](int) { return gpu_tiny(run, "qlora", "ddp", 2, 4, {"max_memory=16MiB"}); }, {},
-        on_gpu);
-    ADD_FAILURE() << "a 16 MiB cap beside the 32 MiB staging buffer was accepted";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("leaves nothing beside the 33554432 bytes of collective"),
-              std::string::npos)
-        << e.what();
-  }
 }

@@ -408,6 +408,25 @@ double number_after(const std::string& s, const std::string& key) {
 // The commands with --device cuda: the same text as the CPU in float32, bf16 by default with
 // the speed line of --stats, a merge computed on the GPU, debug forward-backward's loss, and a
 // GPU index past the visible ones as one line.
+// Ranks launched as processes sharing a GPU hold a CUDA IPC staging buffer outside the allocator;
+// max_memory counts it, so a cap no larger than that buffer is refused before any model is placed
+// (else the budget left for the allocator would wrap around and lift the cap).
+TEST(GpuToolsCli, MaxMemoryNoLargerThanTheIpcStagingBufferIsRefused) {
+  REQUIRE_GPU();
+  if (!fs::exists(rig_binary())) GTEST_SKIP() << "no rig binary at " << rig_binary();
+  const std::string run = temp_dir("gpu_shared_tiny_cap") + "/run";
+  const CliRun r = run_rig("train " + env_or("RIG_SOURCE_DIR", RIG_SOURCE_DIR) +
+                           "/tests/data/configs/tiny-llama3-lora.yaml --quiet --nproc-per-node 2 "
+                           "--output " +
+                           run +
+                           " --set device=cuda max_memory=16MiB max_steps=3 eval.split=0 "
+                           "save.every=0");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("leaves nothing beside the 33554432 bytes of collective"), std::string::npos)
+      << r.out;
+  EXPECT_FALSE(fs::exists(run + "/final"));
+}
+
 TEST(GpuToolsCli, CommandsRunOnCuda) {
   REQUIRE_GPU();
   if (!fs::exists(rig_binary())) GTEST_SKIP() << "no rig binary at " << rig_binary();

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -250,6 +251,33 @@ TEST(Parallel, ShardedRandomQloraRanksDrawTheirOwnBytesOfTheSameModel) {
   // The random base is not the fixture's: the first loss differs from a run on the real weights.
   train_one(tiny(base + "/real", "qlora", "sharded", 1, steps));
   EXPECT_GT(std::abs(losses(base + "/one")[0] - losses(base + "/real")[0]), 1e-3);
+}
+
+// A frozen lm_head in slices of vocabulary rows (RIG_HEAD_SLICE_BYTES: 300 of the tiny model's
+// 1000 float32 rows a slice, the last 100): the loss folds each slice's logits into running
+// statistics and the backward gathers the slices again. Two ranks end as one rank whose head is
+// read whole.
+TEST(Parallel, ShardedHeadInSlicesMatchesOneRank) {
+  for (const std::string method : {"lora", "qlora"}) {
+    const std::string base = test::temp_dir("par_head_slices_" + method);
+    const int64_t steps = 3;
+    train_one(tiny(base + "/w1", method, "sharded", 1, steps));
+    setenv("RIG_HEAD_SLICE_BYTES", "76800", 1);
+    train_ranks(2, [&](int) {
+      return tiny(base + "/w2", method, "sharded", 2, steps, 2, 8, {"save.every=3"});
+    });
+    unsetenv("RIG_HEAD_SLICE_BYTES");
+    std::vector<std::string> slices;
+    const nlohmann::json layout =
+        load_checkpoint(latest_checkpoint(base + "/w2")->dir).state["sharded"];
+    for (const auto& u : layout["units"])
+      if (u["name"].get<std::string>().rfind("outer.lm_head.", 0) == 0)
+        slices.push_back(u["params"][0][0].get<std::string>());
+    EXPECT_EQ(slices,
+              (std::vector<std::string>{"lm_head.weight[0:300]", "lm_head.weight[300:600]",
+                                        "lm_head.weight[600:900]", "lm_head.weight[900:1000]"}));
+    expect_close_runs(base + "/w1", base + "/w2", method, size_t(steps), abs_tolerance(method));
+  }
 }
 
 TEST(Parallel, ShardedWithActivationCheckpointingMatchesOneRank) {

@@ -100,6 +100,16 @@ struct StepHooks {
   // Within group -1: the head is about to be read (after the last layer's forward), so a
   // strategy that held its gathered copy back during the layers must provide it now.
   virtual void outer_needed(OuterPart) {}
+  // A strategy that provides a frozen lm_head in slices of vocabulary rows (so the whole matrix
+  // is never gathered at once): how many (0: the head is bound whole), and slice c ([rows, H] in
+  // the compute dtype, its first row v0), gathered while `next` (-1: none) is prefetched, until
+  // head_slice_done(c).
+  virtual int head_slices() const { return 0; }
+  virtual Tensor head_slice(int c, int next, int64_t& v0) {
+    (void)c, (void)next, (void)v0;
+    return {};
+  }
+  virtual void head_slice_done(int) {}
 };
 
 struct StepOptions {
@@ -261,6 +271,10 @@ class LlamaModel {
   // returns the gradient of the final norm's output.
   Tensor head_and_loss(const Tensor& hn, const Tensor& targets, float scale, const StepOptions& opt,
                        Tensor& row_loss);
+  // The same with the head read slice by slice from StepHooks::head_slice: the loss folds each
+  // slice's logits into running statistics, and the backward gathers the slices again.
+  Tensor head_and_loss_sliced(const Tensor& hn, const Tensor& targets, float scale,
+                              const StepOptions& opt, Tensor& row_loss);
   // The backward of the final norm and of every layer (h: the last layer's output).
   void backward(std::vector<Acts>& acts, Tensor& dhn, const Tensor& h, const Tensor& rstd,
                 const TokenBatch& dbatch, uint64_t seed, const StepOptions& opt);

@@ -1,6 +1,7 @@
 // The training step: each layer's forward and backward, activation checkpointing, the chunked
 // loss, and the hooks a distributed strategy uses.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "rig/model/llama_parts.h"
@@ -416,6 +417,8 @@ void LlamaModel::backward(std::vector<Acts>& acts, Tensor& dhn, const Tensor& h,
 // with a backward, returns the gradient of the final norm's output (float32 [N, H]).
 Tensor LlamaModel::head_and_loss(const Tensor& hn, const Tensor& targets, float scale,
                                  const StepOptions& opt, Tensor& row_loss) {
+  if (opt.hooks && opt.hooks->head_slices() > 0)
+    return head_and_loss_sliced(hn, targets, scale, opt, row_loss);
   const int64_t N = hn.dim(0), H = hn.dim(1), Vv = cfg_.vocab_size;
   Param* head = cfg_.tie_word_embeddings ? &params_.front() : find_param("lm_head.weight");
   Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, dev_, "d final norm") : Tensor();
@@ -440,6 +443,55 @@ Tensor LlamaModel::head_and_loss(const Tensor& hn, const Tensor& targets, float 
     Tensor dx = dhn.slice_rows(r0, r1);
     ops::gemm(dl, false, lm_head_, false, dx, 1.0f, 0.0f);
     if (head->grad.defined()) ops::gemm(dl, true, x, false, head->grad, 1.0f, 1.0f);
+  }
+  return dhn;
+}
+
+// Two passes over the slices: the forward folds each slice's logits into per-row (max, sum,
+// target's logit); the backward gathers them again in reverse order (the last is still held),
+// recomputes the logits and adds their gradient's product into dhn. The head is frozen here.
+Tensor LlamaModel::head_and_loss_sliced(const Tensor& hn, const Tensor& targets, float scale,
+                                        const StepOptions& opt, Tensor& row_loss) {
+  StepHooks* hk = opt.hooks;
+  const int K = hk->head_slices();
+  const int64_t N = hn.dim(0), H = hn.dim(1);
+  RIG_CHECK(!opt.logits, "the logits of a head read in slices are not kept");
+  Tensor dhn = opt.backward ? Tensor::zeros({N, H}, DType::F32, dev_, "d final norm") : Tensor();
+  std::vector<float> init(size_t(3 * N), 0.0f);
+  for (int64_t r = 0; r < N; ++r) init[size_t(3 * r)] = -INFINITY;
+  Tensor stats = Tensor::from_f32(init, {N, 3});
+  if (!dev_.is_cpu()) stats = stats.to(dev_, "loss statistics");
+  auto pass = [&](int c, int next, bool backward) {
+    int64_t v0 = 0;
+    Tensor w = hk->head_slice(c, next, v0);
+    const int64_t Vc = w.dim(0);
+    const int64_t chunk = opt.loss_chunk_rows > 0
+                              ? opt.loss_chunk_rows
+                              : loss_chunk_rows_for(Vc, int64_t(dtype_size(act_)));
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t r1 = std::min(N, r0 + chunk);
+      Tensor x = hn.slice_rows(r0, r1), tg = targets.slice_rows(r0, r1);
+      Tensor st = stats.slice_rows(r0, r1);
+      Tensor logits = act({r1 - r0, Vc}, "logits slice");
+      ops::gemm(x, false, w, true, logits, 1.0f, 0.0f);
+      if (!backward) {
+        ops::cross_entropy_slice(logits, tg, v0, st);
+        continue;
+      }
+      ops::cross_entropy_slice_backward(logits, tg, v0, st, scale);
+      Tensor dx = dhn.slice_rows(r0, r1);
+      ops::gemm(logits, false, w, false, dx, 1.0f, 1.0f);
+    }
+  };
+  for (int c = 0; c < K; ++c) {
+    pass(c, c + 1 < K ? c + 1 : -1, false);
+    if (!opt.backward || c + 1 < K) hk->head_slice_done(c);
+  }
+  ops::cross_entropy_finish(stats, targets, cfg_.vocab_size, row_loss);
+  if (!opt.backward) return dhn;
+  for (int c = K - 1; c >= 0; --c) {
+    pass(c, c > 0 ? c - 1 : -1, true);
+    hk->head_slice_done(c);
   }
   return dhn;
 }

@@ -14,4 +14,11 @@ inline int64_t loss_chunk_rows_for(int64_t vocab, int64_t logit_bytes) {
   return std::max<int64_t>(256, budget / row / 256 * 256);
 }
 
+// Vocabulary rows in one slice of a frozen lm_head that a sharded run gathers for the loss (about
+// 256 MiB each, so two in flight cost less than the whole matrix); all of them when they fit one.
+inline int64_t head_slice_rows_for(int64_t vocab, int64_t row_bytes,
+                                   int64_t slice_bytes = int64_t(256) << 20) {
+  return std::min(vocab, std::max<int64_t>(1, slice_bytes / std::max<int64_t>(1, row_bytes)));
+}
+
 }  // namespace rig

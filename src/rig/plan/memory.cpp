@@ -177,9 +177,15 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
   }
   e.activations = saved + final_block;
   e.layer_peak = la.backward_work + recompute;
+  // Sharded with a frozen, untied head: the loss reads lm_head a slice of vocabulary rows at a
+  // time (two in flight), and its logits are those of one slice.
+  const bool sliced =
+      s.world_size > 1 && s.strategy == Strategy::sharded && !s.trains_base() && c.lm_head > 0;
+  const int64_t slice_rows =
+      sliced ? head_slice_rows_for(m.vocab_size, int64_t(h * p)) : m.vocab_size;
   const int64_t rows =
-      s.loss_chunk_tokens > 0 ? s.loss_chunk_tokens : loss_chunk_rows_for(m.vocab_size, int64_t(a));
-  e.logits = std::min(double(rows), BT) * double(m.vocab_size) * a;
+      s.loss_chunk_tokens > 0 ? s.loss_chunk_tokens : loss_chunk_rows_for(slice_rows, int64_t(a));
+  e.logits = std::min(double(rows), BT) * double(slice_rows) * a;
 
   if (s.world_size > 1) {
     e.comm_buffers = s.nccl_bytes;
@@ -192,7 +198,11 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const TrainSetup& s) {
       } else {
         // Frozen ones only around their use: the embedding for its lookup, the head (final
         // norm and lm_head) for the loss, while no layer is gathered.
-        const double head = double(c.lm_head ? c.lm_head : c.embedding) * p + double(h) * p;
+        const double head =
+            (slice_rows < m.vocab_size ? 2.0 * double(slice_rows) * h
+                                       : double(c.lm_head ? c.lm_head : c.embedding)) *
+                p +
+            h * p;
         in_flight = std::max(in_flight, head);
       }
       double grad_unit = s.trains_base() ? std::max(double(c.linear_per_layer + c.other_per_layer),

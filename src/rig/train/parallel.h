@@ -75,6 +75,10 @@ struct FlatUnit {
   // The frozen head (final norm, lm_head) of a model whose embedding is a unit of its own:
   // gathered after the last layer's forward (outer_needed), not beside the layers' weights.
   bool head = false;
+  // A slice of a frozen lm_head's vocabulary rows [row0, row0 + rows), carried as bytes: the
+  // loss gathers one slice at a time (StepHooks::head_slice), never the whole matrix.
+  int head_slice = -1;
+  int64_t row0 = 0, rows = 0;
   std::vector<std::pair<std::string, int64_t>> params;  // name and numel, in flat order
   // 8-bit AdamW (trainable units): every param starts on a multiple of align (its block of 256)
   // and each rank's shard is a multiple of it too, so a shard holds whole blocks of the very
@@ -117,6 +121,9 @@ class Sharded : public StepHooks {
   void outer_done(OuterPart part) override;
   // Gathers the frozen head, which before(-1) holds back while the layers run.
   void outer_needed(OuterPart part) override;
+  int head_slices() const override { return head_whole_ ? 0 : head_slices_; }
+  Tensor head_slice(int c, int next, int64_t& v0) override;
+  void head_slice_done(int c) override;
   // Waits for the gradient reduce-scatters still in flight (before clipping).
   void finish();
   // Every parameter full on every rank (generation, the final output) and back. With
@@ -142,6 +149,7 @@ class Sharded : public StepHooks {
  private:
   struct Unit;
   struct PendingGrad;
+  void start_gather(Unit& u);
   void gather(Unit& u);
   void prefetch(int group);
   void release(Unit& u);
@@ -153,6 +161,9 @@ class Sharded : public StepHooks {
   std::vector<Param> shard_params_;
   std::vector<PendingGrad> pending_;  // reduce-scatters overlapping the next layer's backward
   bool pinned_ = false;               // gather_all: keep everything until release_all
+  int head_slices_ = 0;               // units holding lm_head slices (FlatUnit::head_slice)
+  std::vector<size_t> slice_units_;   // their indices in units_, by slice
+  bool head_whole_ = false;           // gather_all bound lm_head whole
 };
 
 // Loader positions of every rank (a collective when comm is set).
@@ -179,6 +190,10 @@ std::map<std::string, Tensor> read_sharded_as_named(const std::string& ckpt_dir,
 void check_layout(const nlohmann::json& saved_layout, const std::vector<FlatUnit>& units,
                   const std::string& ckpt_dir);
 // The units a model's parameters form (without sharding anything).
+// The size of one slice of a frozen lm_head gathered for the loss under sharding: 256 MiB, or
+// RIG_HEAD_SLICE_BYTES (tests split a tiny model's head with it). A head within one slice is
+// gathered whole.
+int64_t head_slice_bytes();
 std::vector<FlatUnit> flat_units(const LlamaModel& model);
 
 // Counts summed exactly over ranks in float32 collectives: 16-bit pieces.

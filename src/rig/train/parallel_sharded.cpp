@@ -1,6 +1,8 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
+#include "rig/model/loss_chunk.h"
 #include "rig/ops/adamw8bit.h"
 #include "rig/ops/ops.h"
 #include "rig/quant/random_codes.h"
@@ -49,6 +51,15 @@ dist::FlatShard FlatUnit::shard_of(int world) const {
     f.padded = f.shard * world;
   }
   return f;
+}
+
+int64_t head_slice_bytes() {
+  const char* e = std::getenv("RIG_HEAD_SLICE_BYTES");
+  if (!e || !*e) return int64_t(256) << 20;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  if (*end || v <= 0) bad_input("RIG_HEAD_SLICE_BYTES={}: expected a positive number of bytes", e);
+  return v;
 }
 
 namespace {
@@ -161,6 +172,37 @@ std::vector<std::vector<size_t>> unit_members(const LlamaModel& model, std::vect
         m.erase(m.begin());
         u.head = true;
       }
+      std::vector<FlatUnit> slices;
+      auto lm = std::find_if(m.begin(), m.end(),
+                             [&](size_t i) { return ps[i].name == "lm_head.weight"; });
+      if (u.head && lm != m.end()) {
+        // The frozen lm_head in slices of vocabulary rows, each a unit of its own.
+        const Tensor& w = ps[*lm].value;
+        const int64_t V = w.dim(0), row = int64_t(w.nbytes()) / V;
+        const int64_t per = head_slice_rows_for(V, row, head_slice_bytes());
+        for (int64_t r0 = 0; per < V && r0 < V; r0 += per) {
+          FlatUnit sl;
+          sl.name = fmt::format("outer.lm_head.{}", slices.size());
+          sl.bytes = sl.head = true;
+          sl.head_slice = int(slices.size());
+          sl.row0 = r0;
+          sl.rows = std::min(per, V - r0);
+          sl.params = {{fmt::format("lm_head.weight[{}:{}]", r0, r0 + sl.rows),
+                        words_of(size_t(sl.rows * row))}};
+          slices.push_back(std::move(sl));
+        }
+        if (!slices.empty()) {
+          u.params.erase(u.params.begin() + (lm - m.begin()));
+          const size_t li = *lm;
+          m.erase(lm);
+          if (!m.empty()) emit(std::move(u), std::move(m));
+          for (auto& sl : slices) {
+            units.push_back(std::move(sl));
+            members.push_back({li});
+          }
+          continue;
+        }
+      }
       emit(std::move(u), std::move(m));
     }
   return members;
@@ -191,8 +233,11 @@ struct Sharded::Unit {
     Shape shape;
     DType dtype;
     int64_t offset;
+    int64_t src = 0;  // where the piece starts in the parameter's bytes (a head slice)
   };
   std::vector<Piece> pieces;
+  int head_slice = -1;  // FlatUnit::head_slice
+  Tensor slice;         // a head slice's rows while gathered (in the compute dtype)
 };
 
 struct Sharded::PendingGrad {
@@ -221,6 +266,13 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
       // The bytes of every stored tensor, one after the other; this rank keeps its slice.
       int64_t off = 0;
       for (size_t i : u->members) {
+        if (units_[k].head_slice >= 0) {
+          const Tensor& w = ps[i].value;
+          const int64_t row = int64_t(w.nbytes()) / w.dim(0), rows = units_[k].rows;
+          u->pieces.push_back({i, nullptr, {rows, w.dim(1)}, w.dtype(), off, units_[k].row0 * row});
+          off += words_of(size_t(rows * row));
+          continue;
+        }
         if (units_[k].bytes) {
           u->pieces.push_back({i, nullptr, ps[i].value.shape(), ps[i].value.dtype(), off});
           off += words_of(ps[i].value);
@@ -242,7 +294,8 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
         const int64_t lo = std::max(b, pb), hi = std::min(e, pe);
         if (lo >= hi) continue;
         if (t.defined()) {
-          mine.slice_rows(lo - b, hi - b).copy_from(bytes_of(t).slice_rows(lo - pb, hi - pb));
+          mine.slice_rows(lo - b, hi - b)
+              .copy_from(bytes_of(t).slice_rows(lo - pb + pc.src, hi - pb + pc.src));
         } else {
           // A deferred 4-bit weight (drawn, or quantized from the folder): just this rank's bytes.
           Tensor host = Tensor::empty({hi - lo}, DType::U8, Device::cpu(), "4-bit bytes");
@@ -252,6 +305,8 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
             offsets[pc.param] = ps[pc.param].quant->nested_offset;
         }
       }
+      u->head_slice = units_[k].head_slice;
+      if (u->head_slice >= 0) slice_units_.push_back(k);
       of_group_[units_[k].group].push_back(k);
       state_.push_back(std::move(u));
       continue;
@@ -293,6 +348,7 @@ Sharded::Sharded(dist::Communicator& comm, LlamaModel& model, AdamW* opt)
     of_group_[units_[k].group].push_back(k);
     state_.push_back(std::move(u));
   }
+  head_slices_ = int(slice_units_.size());
   model.drop_4bit_cache();
   if (share_offsets) {
     Tensor t = Tensor::from_f32(offsets, {int64_t(offsets.size())});
@@ -345,12 +401,15 @@ double Sharded::clip_grad_norm(float max_norm) {
   return norm;
 }
 
+void Sharded::start_gather(Unit& u) {
+  if (u.full.defined()) return;
+  const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
+  u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
+  u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
+}
+
 void Sharded::gather(Unit& u) {
-  if (!u.full.defined()) {
-    const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
-    u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
-    u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
-  }
+  start_gather(u);
   if (!u.gathering) return;
   u.gathering->wait();
   u.gathering.reset();
@@ -361,6 +420,10 @@ void Sharded::gather(Unit& u) {
     for (const auto& pc : u.pieces) {
       Tensor v = Tensor::view(static_cast<char*>(u.full.raw()) + pc.offset * 4, pc.shape, pc.dtype,
                               u.full.device(), owner);
+      if (u.head_slice >= 0) {
+        u.slice = v;
+        continue;
+      }
       (pc.field ? (*ps[pc.param].quant).*pc.field : ps[pc.param].value) = v;
     }
     return;
@@ -383,19 +446,17 @@ void Sharded::gather(Unit& u) {
 void Sharded::prefetch(int group) {
   auto it = of_group_.find(group);
   if (it == of_group_.end()) return;
-  for (size_t k : it->second) {
-    Unit& u = *state_[k];
-    if (u.full.defined()) continue;
-    const Tensor& shard = u.param >= 0 ? shard_params_[size_t(u.param)].value : u.shard;
-    u.full = Tensor::empty({u.fs.padded}, DType::F32, shard.device(), "gathered parameters");
-    u.gathering = dist::all_gather_flat(comm_, u.fs, shard, u.full);
-  }
+  for (size_t k : it->second) start_gather(*state_[k]);
 }
 
 void Sharded::release(Unit& u) {
   if (u.gathering) {
     u.gathering->wait();
     u.gathering.reset();
+  }
+  if (u.head_slice >= 0) {  // lm_head itself is bound only by gather_all
+    u.slice = u.full = Tensor();
+    return;
   }
   for (size_t i : u.members) model_.params()[i].value = model_.params()[i].compute = Tensor();
   for (const auto& pc : u.pieces)
@@ -470,13 +531,50 @@ void Sharded::outer_needed(OuterPart part) {
   auto it = of_group_.find(-1);
   if (it == of_group_.end() || part != Head) return;
   for (size_t k : it->second)
-    if (units_[k].head) gather(*state_[k]);
+    if (units_[k].head && units_[k].head_slice < 0) gather(*state_[k]);
+}
+
+Tensor Sharded::head_slice(int c, int next, int64_t& v0) {
+  Unit& u = *state_[slice_units_[size_t(c)]];
+  gather(u);
+  if (next >= 0) start_gather(*state_[slice_units_[size_t(next)]]);
+  v0 = units_[slice_units_[size_t(c)]].row0;
+  const DType compute = model_.compute_dtype();
+  if (u.slice.dtype() != compute) {
+    Tensor w = Tensor::empty(u.slice.shape(), compute, u.slice.device(), "head slice");
+    ops::cast(u.slice, w);
+    u.slice = w;
+  }
+  return u.slice;
+}
+
+void Sharded::head_slice_done(int c) {
+  release(*state_[slice_units_[size_t(c)]]);
 }
 
 void Sharded::gather_all(bool trainable_only) {
   finish();
   for (auto& u : state_)
-    if (!trainable_only || u->param >= 0) gather(*u);
+    if ((!trainable_only || u->param >= 0) && u->head_slice < 0) gather(*u);
+  if (!trainable_only && head_slices_ > 0) {
+    // lm_head whole, a slice at a time: generation reads it without hooks.
+    Param& lm = model_.params()[state_[slice_units_[0]]->members.front()];
+    const Unit::Piece& p0 = state_[slice_units_[0]]->pieces.front();
+    Tensor w = Tensor::empty({model_.config().vocab_size, p0.shape[1]}, p0.dtype,
+                             state_[slice_units_[0]]->shard.device(), "lm_head");
+    for (size_t k : slice_units_) {
+      gather(*state_[k]);
+      w.slice_rows(units_[k].row0, units_[k].row0 + units_[k].rows).copy_from(state_[k]->slice);
+      release(*state_[k]);
+    }
+    lm.value = w;
+    const DType compute = model_.compute_dtype();
+    if (lm.compute_operand && w.dtype() != compute) {
+      lm.compute = Tensor::empty(w.shape(), compute, w.device(), "compute weight");
+      ops::cast(w, lm.compute);
+    }
+    head_whole_ = true;
+  }
   pinned_ = true;
   model_.bind_outer();  // evaluation and generation run without hooks
 }
@@ -484,6 +582,11 @@ void Sharded::gather_all(bool trainable_only) {
 void Sharded::release_all() {
   pinned_ = false;
   for (auto& u : state_) release(*u);
+  if (head_whole_) {
+    Param& lm = model_.params()[state_[slice_units_[0]]->members.front()];
+    lm.value = lm.compute = Tensor();
+    head_whole_ = false;
+  }
   model_.bind_outer();
 }
 

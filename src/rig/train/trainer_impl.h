@@ -138,6 +138,7 @@ class Trainer {
   std::string placement_;  // how the ranks sit on the GPUs, for the log
   uint64_t max_memory_ = 0;  // cfg_.max_memory, or by default an even share of a shared GPU
   Allocator* alloc_ = nullptr;
+  std::optional<size_t> prior_budget_;  // the allocator's budget before max_memory set it
   std::string run_;  // the run folder
   Injector injector_;
 

@@ -187,6 +187,7 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainHooks& hooks) : cfg_(cfg), h
     if (outside >= max_memory_)
       bad_input("{}: max_memory {} bytes leaves nothing beside the {} bytes of collective buffers",
                 cfg_.source, max_memory_, outside);
+    prior_budget_ = alloc_->budget();
     alloc_->set_budget(alloc_->in_use() + max_memory_ - outside);
   }
   run_ = cfg_.output_dir;
@@ -204,7 +205,11 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainHooks& hooks) : cfg_(cfg), h
   open_telemetry();
 }
 
-Trainer::~Trainer() = default;
+// The cap is the process's (its device allocator's): it ends with the run, so that what runs
+// next in this process (a sweep's next job, a test) is not held to it.
+Trainer::~Trainer() {
+  if (prior_budget_) alloc_->set_budget(*prior_budget_);
+}
 
 void Trainer::setup_device() {
   dev_ = resolve_device(cfg_.device, cfg_.source);  // shared with rig eval, generate, merge

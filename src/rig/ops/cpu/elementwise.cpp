@@ -65,6 +65,67 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale
   }
 }
 
+void cross_entropy_slice(const Tensor& logits, const Tensor& targets, int64_t v0, Tensor& stats) {
+  const int64_t rows = logits.dim(0), Vc = logits.dim(1);
+  RIG_CHECK(targets.numel() == rows && stats.numel() == 3 * rows,
+            "cross_entropy_slice: logits {} targets {} stats {}", shape_str(logits.shape()),
+            shape_str(targets.shape()), shape_str(stats.shape()));
+  const float* pl = logits.f32();
+  float* ps = stats.f32();
+  const int64_t* pt = targets.data<int64_t>();
+#pragma omp parallel for
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = pl + r * Vc;
+    float* st = ps + 3 * r;
+    float mx = st[0];
+    for (int64_t j = 0; j < Vc; ++j) mx = std::max(mx, x[j]);
+    if (mx == -INFINITY) continue;
+    double sum = st[0] == -INFINITY ? 0.0 : double(st[1]) * std::exp(double(st[0] - mx));
+    for (int64_t j = 0; j < Vc; ++j) sum += std::exp(double(x[j] - mx));
+    st[0] = mx;
+    st[1] = float(sum);
+    if (pt[r] >= v0 && pt[r] < v0 + Vc) st[2] = x[pt[r] - v0];
+  }
+}
+
+void cross_entropy_finish(Tensor& stats, const Tensor& targets, int64_t V, Tensor& row_loss) {
+  const int64_t rows = targets.numel();
+  RIG_CHECK(stats.numel() == 3 * rows && row_loss.numel() == rows,
+            "cross_entropy_finish: stats {} targets {} row_loss {}", shape_str(stats.shape()),
+            shape_str(targets.shape()), shape_str(row_loss.shape()));
+  float *ps = stats.f32(), *pr = row_loss.f32();
+  const int64_t* pt = targets.data<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (pt[r] != -100 && (pt[r] < 0 || pt[r] >= V))
+      bad_input("label {} at position {} is outside the vocabulary of {}", pt[r], r, V);
+    const double lse = double(ps[3 * r]) + std::log(double(ps[3 * r + 1]));
+    pr[r] = pt[r] == -100 ? 0.0f : float(lse - double(ps[3 * r + 2]));
+    ps[3 * r] = float(lse);
+  }
+}
+
+void cross_entropy_slice_backward(Tensor& logits, const Tensor& targets, int64_t v0,
+                                  const Tensor& stats, float grad_scale) {
+  const int64_t rows = logits.dim(0), Vc = logits.dim(1);
+  RIG_CHECK(targets.numel() == rows && stats.numel() == 3 * rows,
+            "cross_entropy_slice_backward: logits {} targets {} stats {}",
+            shape_str(logits.shape()), shape_str(targets.shape()), shape_str(stats.shape()));
+  float* pl = logits.f32();
+  const float* ps = stats.f32();
+  const int64_t* pt = targets.data<int64_t>();
+#pragma omp parallel for
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = pl + r * Vc;
+    if (pt[r] == -100) {
+      std::fill_n(x, Vc, 0.0f);
+      continue;
+    }
+    const double lse = ps[3 * r];
+    for (int64_t j = 0; j < Vc; ++j) x[j] = float(std::exp(double(x[j]) - lse)) * grad_scale;
+    if (pt[r] >= v0 && pt[r] < v0 + Vc) x[pt[r] - v0] -= grad_scale;
+  }
+}
+
 void add_(Tensor& a, const Tensor& b, float alpha) {
   const int64_t n = a.numel();
   RIG_CHECK(b.numel() == n, "add_: {} vs {}", shape_str(a.shape()), shape_str(b.shape()));

@@ -96,6 +96,81 @@ __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V
   }
 }
 
+// A column slice [v0, v0 + Vc) of each row folded into its running (max, sum, target's logit).
+template <typename E, bool QUAD>
+__global__ void ce_slice_kernel(const E* logits, const int64_t* targets, int64_t Vc, int64_t v0,
+                                float* stats) {
+  const int64_t r = blockIdx.x;
+  const int64_t t = targets[r];
+  if (t == -100) return;
+  const E* x = logits + r * Vc;
+  float m = -INFINITY, s = 0.0f;
+  if constexpr (QUAD) {
+    for (int64_t j = 4 * int64_t(threadIdx.x); j < Vc; j += 4 * int64_t(blockDim.x)) {
+      float v[4];
+      Quad<E>::load(x + j, v);
+      for (int i = 0; i < 4; ++i) online_add(v[i], m, s);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) online_add(ld(x, j), m, s);
+  }
+  const float M = block_max(m);
+  const float S = block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
+  if (threadIdx.x != 0) return;
+  float* st = stats + 3 * r;
+  const float m0 = st[0], mn = fmaxf(m0, M);
+  if (mn != -INFINITY)
+    st[1] = (m0 == -INFINITY ? 0.0f : st[1] * expf(m0 - mn)) +
+            (M == -INFINITY ? 0.0f : S * expf(M - mn));
+  st[0] = mn;
+  if (t >= v0 && t < v0 + Vc) st[2] = ld(x, t - v0);
+}
+
+__global__ void ce_finish_kernel(float* stats, const int64_t* targets, int64_t rows, int64_t V,
+                                 float* row_loss, DeviceError* err) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const int64_t t = targets[r];
+  if (t < 0 || t >= V) {
+    if (t != -100) rig_device_error(err, kBadLabel, r, t, V);
+    row_loss[r] = 0.0f;
+    return;
+  }
+  const float lse = stats[3 * r] + logf(stats[3 * r + 1]);
+  row_loss[r] = lse - stats[3 * r + 2];
+  stats[3 * r] = lse;
+}
+
+template <typename E, bool QUAD>
+__global__ void ce_slice_bwd_kernel(E* logits, const int64_t* targets, int64_t Vc, int64_t v0,
+                                    const float* stats, float scale) {
+  const int64_t r = blockIdx.x;
+  const int64_t t = targets[r];
+  E* x = logits + r * Vc;
+  if (t < 0) {  // ignored; a bad label was recorded by the finish
+    for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) st(x, j, 0.0f);
+    return;
+  }
+  const float lse = stats[3 * r];
+  if constexpr (QUAD) {
+    for (int64_t j = 4 * int64_t(threadIdx.x); j < Vc; j += 4 * int64_t(blockDim.x)) {
+      float v[4];
+      Quad<E>::load(x + j, v);
+      for (int i = 0; i < 4; ++i) {
+        v[i] = expf(v[i] - lse) * scale;
+        if (v0 + j + i == t) v[i] -= scale;
+      }
+      Quad<E>::store(x + j, v);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) {
+      float g = expf(ld(x, j) - lse) * scale;
+      if (v0 + j == t) g -= scale;
+      st(x, j, g);
+    }
+  }
+}
+
 int ce_threads(int64_t V) {
   if (V >= 8192) return 1024;
   if (V >= 1024) return 512;
@@ -121,6 +196,47 @@ cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64
                        ce_row_kernel<E, G, false><<<unsigned(rows), ce_threads(V), 0, s>>>(
                            x, targets, V, grad_scale, dx, row_loss, err);
                    }));
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy_slice(T t, const void* logits, const int64_t* targets, int64_t rows,
+                                int64_t Vc, int64_t v0, float* stats, cudaStream_t s) {
+  const bool quad = Vc % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  if (rows > 0)
+    RIG_K_DISPATCH(t, E, {
+      auto* x = static_cast<const E*>(logits);
+      if (quad)
+        ce_slice_kernel<E, true>
+            <<<unsigned(rows), ce_threads(Vc), 0, s>>>(x, targets, Vc, v0, stats);
+      else
+        ce_slice_kernel<E, false>
+            <<<unsigned(rows), ce_threads(Vc), 0, s>>>(x, targets, Vc, v0, stats);
+    });
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy_finish(float* stats, const int64_t* targets, int64_t rows, int64_t V,
+                                 float* row_loss, DeviceError* err, cudaStream_t s) {
+  if (rows > 0)
+    ce_finish_kernel<<<unsigned((rows + 255) / 256), 256, 0, s>>>(stats, targets, rows, V, row_loss,
+                                                                  err);
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy_slice_backward(T t, void* logits, const int64_t* targets, int64_t rows,
+                                         int64_t Vc, int64_t v0, const float* stats,
+                                         float grad_scale, cudaStream_t s) {
+  const bool quad = Vc % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  if (rows > 0)
+    RIG_K_DISPATCH(t, E, {
+      auto* x = static_cast<E*>(logits);
+      if (quad)
+        ce_slice_bwd_kernel<E, true>
+            <<<unsigned(rows), ce_threads(Vc), 0, s>>>(x, targets, Vc, v0, stats, grad_scale);
+      else
+        ce_slice_bwd_kernel<E, false>
+            <<<unsigned(rows), ce_threads(Vc), 0, s>>>(x, targets, Vc, v0, stats, grad_scale);
+    });
   return cudaGetLastError();
 }
 

@@ -127,6 +127,14 @@ cudaError_t lse_layout(const float* src, float* dst, int B, int T, int H, bool t
 cudaError_t cross_entropy(T t, const void* logits, const int64_t* targets, int64_t rows, int64_t V,
                           float grad_scale, T td, void* dlogits, float* row_loss, DeviceError* err,
                           cudaStream_t s);
+// The loss over column slices: stats [rows, 3] float32 (running max, sum, target's logit).
+cudaError_t cross_entropy_slice(T t, const void* logits, const int64_t* targets, int64_t rows,
+                                int64_t Vc, int64_t v0, float* stats, cudaStream_t s);
+cudaError_t cross_entropy_finish(float* stats, const int64_t* targets, int64_t rows, int64_t V,
+                                 float* row_loss, DeviceError* err, cudaStream_t s);
+cudaError_t cross_entropy_slice_backward(T t, void* logits, const int64_t* targets, int64_t rows,
+                                         int64_t Vc, int64_t v0, const float* stats,
+                                         float grad_scale, cudaStream_t s);
 
 // ---- nf4.cu (bitsandbytes 4-bit weights: packed nibbles, element 2i in the high nibble)
 struct Nf4Args {

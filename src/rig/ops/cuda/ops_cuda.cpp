@@ -329,6 +329,60 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale
       op);
 }
 
+void cross_entropy_slice(const Tensor& logits, const Tensor& targets, int64_t v0, Tensor& stats) {
+  const char* op = "cross_entropy_slice";
+  const int dev = logits.device().index;
+  check_on(targets, dev, op, "targets");
+  check_on(stats, dev, op, "stats");
+  check_dtype(targets, DType::I64, op, "targets");
+  check_dtype(stats, DType::F32, op, "stats");
+  RIG_CHECK(
+      logits.ndim() == 2 && targets.numel() == logits.dim(0) && stats.numel() == 3 * logits.dim(0),
+      "{}: logits {} targets {} stats {}", op, shape_str(logits.shape()),
+      shape_str(targets.shape()), shape_str(stats.shape()));
+  DeviceGuard g(dev);
+  check_status(
+      k::cross_entropy_slice(ktype(logits, op, "logits"), logits.raw(), targets.data<int64_t>(),
+                             logits.dim(0), logits.dim(1), v0, stats.f32(), stream_for(dev)),
+      op);
+}
+
+void cross_entropy_finish(Tensor& stats, const Tensor& targets, int64_t V, Tensor& row_loss) {
+  const char* op = "cross_entropy_finish";
+  const int dev = stats.device().index;
+  check_on(targets, dev, op, "targets");
+  check_on(row_loss, dev, op, "row_loss");
+  check_dtype(stats, DType::F32, op, "stats");
+  check_dtype(targets, DType::I64, op, "targets");
+  check_dtype(row_loss, DType::F32, op, "row_loss");
+  RIG_CHECK(stats.numel() == 3 * targets.numel() && row_loss.numel() == targets.numel(),
+            "{}: stats {} targets {} row_loss {}", op, shape_str(stats.shape()),
+            shape_str(targets.shape()), shape_str(row_loss.shape()));
+  DeviceGuard g(dev);
+  check_status(k::cross_entropy_finish(stats.f32(), targets.data<int64_t>(), targets.numel(), V,
+                                       row_loss.f32(), device_error(dev), stream_for(dev)),
+               op);
+}
+
+void cross_entropy_slice_backward(Tensor& logits, const Tensor& targets, int64_t v0,
+                                  const Tensor& stats, float grad_scale) {
+  const char* op = "cross_entropy_slice_backward";
+  const int dev = logits.device().index;
+  check_on(targets, dev, op, "targets");
+  check_on(stats, dev, op, "stats");
+  check_dtype(targets, DType::I64, op, "targets");
+  check_dtype(stats, DType::F32, op, "stats");
+  RIG_CHECK(
+      logits.ndim() == 2 && targets.numel() == logits.dim(0) && stats.numel() == 3 * logits.dim(0),
+      "{}: logits {} targets {} stats {}", op, shape_str(logits.shape()),
+      shape_str(targets.shape()), shape_str(stats.shape()));
+  DeviceGuard g(dev);
+  check_status(k::cross_entropy_slice_backward(
+                   ktype(logits, op, "logits"), logits.raw(), targets.data<int64_t>(),
+                   logits.dim(0), logits.dim(1), v0, stats.f32(), grad_scale, stream_for(dev)),
+               op);
+}
+
 // ---- element-wise -------------------------------------------------------------------------
 
 void add_(Tensor& a, const Tensor& b, float alpha) {

@@ -170,6 +170,9 @@ const std::map<std::string, std::string>& tested_elsewhere() {
       {"sum_squares_list", "a list op: tests/gpu/op_harness_test.cpp"},
       {"count_bad_values", "a list op: tests/unit/guard_units_test.cpp, tests/gpu/guard_test.cpp"},
       {"hash64", "a list op: tests/unit/guard_units_test.cpp, tests/gpu/guard_test.cpp"},
+      {"cross_entropy_finish", "within the cross_entropy_slice cases (tests/op_cases_basic.h)"},
+      {"cross_entropy_slice_backward",
+       "within the cross_entropy_slice cases: their d0..d2 (tests/op_cases_basic.h)"},
   };
   return m;
 }

@@ -47,6 +47,23 @@ __device__ __forceinline__ void online_add(float x, float& m, float& s) {
 
 // QUAD: the row is read and written four elements at a time (V a multiple of 4 and the rows
 // aligned to that), so each thread keeps more bytes in flight on the bandwidth-bound passes.
+// The block's max M of the V elements at x and the sum S of exp(x - M) (block-wide barriers).
+template <typename E, bool QUAD>
+__device__ __forceinline__ void row_max_sum(const E* x, int64_t V, float& M, float& S) {
+  float m = -INFINITY, s = 0.0f;
+  if constexpr (QUAD) {
+    for (int64_t j = 4 * int64_t(threadIdx.x); j < V; j += 4 * int64_t(blockDim.x)) {
+      float v[4];
+      Quad<E>::load(x + j, v);
+      for (int i = 0; i < 4; ++i) online_add(v[i], m, s);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online_add(ld(x, j), m, s);
+  }
+  M = block_max(m);
+  S = block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
+}
+
 template <typename E, typename G, bool QUAD>
 __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V, float scale,
                               G* dlogits, float* row_loss, DeviceError* err) {
@@ -61,19 +78,9 @@ __global__ void ce_row_kernel(const E* logits, const int64_t* targets, int64_t V
     if (threadIdx.x == 0) row_loss[r] = 0.0f;
     return;
   }
-  float m = -INFINITY, s = 0.0f;
-  if constexpr (QUAD) {
-    for (int64_t j = 4 * int64_t(threadIdx.x); j < V; j += 4 * int64_t(blockDim.x)) {
-      float v[4];
-      Quad<E>::load(x + j, v);
-      for (int i = 0; i < 4; ++i) online_add(v[i], m, s);
-    }
-  } else {
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online_add(ld(x, j), m, s);
-  }
   const float xt = ld(x, t);  // read before any thread passes the barriers below and writes dx
-  const float M = block_max(m);
-  const float S = block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
+  float M, S;
+  row_max_sum<E, QUAD>(x, V, M, S);
   const float lse = M + logf(S);
   if (threadIdx.x == 0) row_loss[r] = lse - xt;
   if (!dx) return;
@@ -104,18 +111,8 @@ __global__ void ce_slice_kernel(const E* logits, const int64_t* targets, int64_t
   const int64_t t = targets[r];
   if (t == -100) return;
   const E* x = logits + r * Vc;
-  float m = -INFINITY, s = 0.0f;
-  if constexpr (QUAD) {
-    for (int64_t j = 4 * int64_t(threadIdx.x); j < Vc; j += 4 * int64_t(blockDim.x)) {
-      float v[4];
-      Quad<E>::load(x + j, v);
-      for (int i = 0; i < 4; ++i) online_add(v[i], m, s);
-    }
-  } else {
-    for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) online_add(ld(x, j), m, s);
-  }
-  const float M = block_max(m);
-  const float S = block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
+  float M, S;
+  row_max_sum<E, QUAD>(x, Vc, M, S);
   if (threadIdx.x != 0) return;
   float* st = stats + 3 * r;
   const float m0 = st[0], mn = fmaxf(m0, M);

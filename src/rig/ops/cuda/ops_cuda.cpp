@@ -329,8 +329,10 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale
       op);
 }
 
-void cross_entropy_slice(const Tensor& logits, const Tensor& targets, int64_t v0, Tensor& stats) {
-  const char* op = "cross_entropy_slice";
+// A vocabulary slice's logits [rows, Vc], its targets and the running statistics [rows, 3], on
+// one device; returns the device.
+static int check_slice_operands(const Tensor& logits, const Tensor& targets, const Tensor& stats,
+                                const char* op) {
   const int dev = logits.device().index;
   check_on(targets, dev, op, "targets");
   check_on(stats, dev, op, "stats");
@@ -340,6 +342,12 @@ void cross_entropy_slice(const Tensor& logits, const Tensor& targets, int64_t v0
       logits.ndim() == 2 && targets.numel() == logits.dim(0) && stats.numel() == 3 * logits.dim(0),
       "{}: logits {} targets {} stats {}", op, shape_str(logits.shape()),
       shape_str(targets.shape()), shape_str(stats.shape()));
+  return dev;
+}
+
+void cross_entropy_slice(const Tensor& logits, const Tensor& targets, int64_t v0, Tensor& stats) {
+  const char* op = "cross_entropy_slice";
+  const int dev = check_slice_operands(logits, targets, stats, op);
   DeviceGuard g(dev);
   check_status(
       k::cross_entropy_slice(ktype(logits, op, "logits"), logits.raw(), targets.data<int64_t>(),
@@ -367,15 +375,7 @@ void cross_entropy_finish(Tensor& stats, const Tensor& targets, int64_t V, Tenso
 void cross_entropy_slice_backward(Tensor& logits, const Tensor& targets, int64_t v0,
                                   const Tensor& stats, float grad_scale) {
   const char* op = "cross_entropy_slice_backward";
-  const int dev = logits.device().index;
-  check_on(targets, dev, op, "targets");
-  check_on(stats, dev, op, "stats");
-  check_dtype(targets, DType::I64, op, "targets");
-  check_dtype(stats, DType::F32, op, "stats");
-  RIG_CHECK(
-      logits.ndim() == 2 && targets.numel() == logits.dim(0) && stats.numel() == 3 * logits.dim(0),
-      "{}: logits {} targets {} stats {}", op, shape_str(logits.shape()),
-      shape_str(targets.shape()), shape_str(stats.shape()));
+  const int dev = check_slice_operands(logits, targets, stats, op);
   DeviceGuard g(dev);
   check_status(k::cross_entropy_slice_backward(
                    ktype(logits, op, "logits"), logits.raw(), targets.data<int64_t>(),
